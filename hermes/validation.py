@@ -1,0 +1,136 @@
+"""Input checks shared by `hermes.reference` and `hermes_kernels` (DESIGN.md §3).
+
+Every check runs before anything is written, so a failed call leaves the cache untouched. Errors name the
+argument and the expected shape. The only host synchronisation is the finiteness test of `attn`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .config import HermesConfig
+
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SCORE_DTYPES = (torch.float32, torch.float64)
+
+
+def _tensor(name: str, x, ndim: Sequence[int], dtypes: Sequence[torch.dtype], shape_doc: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {shape_doc}, got {type(x).__name__}")
+    if x.dim() not in ndim:
+        raise ValueError(f"{name}: expected shape {shape_doc}, got {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {x.dtype} not supported for {shape_doc}; expected one of "
+                        f"{[str(d) for d in dtypes]}")
+
+
+def _same_device(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if x.device != ref.device:
+        raise ValueError(f"{name}: on {x.device} but {ref_name} is on {ref.device}; pass both on one device")
+
+
+def _config(cfg) -> None:
+    if not isinstance(cfg, HermesConfig):
+        raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
+
+
+def check_pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> None:
+    """q [B,H,Q,D] / k [B,Hkv,N,D], or stacked [L,B,H,Q,D] / [L,B,Hkv,N,D]; H % Hkv == 0, 1 <= Q <= N."""
+    _tensor("q", q, (4, 5), CACHE_DTYPES, "[B, H, Q, D] or [L, B, H, Q, D]")
+    _tensor("k", k, (q.dim(),), CACHE_DTYPES, "[B, Hkv, N, D]" if q.dim() == 4 else "[L, B, Hkv, N, D]")
+    _same_device("k", k, "q", q)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: dtype {k.dtype} differs from q's {q.dtype}")
+    lead = q.shape[:-3]
+    H, Q, D = q.shape[-3:]
+    Hkv, N, Dk = k.shape[-3:]
+    if k.shape[:-3] != lead or Dk != D:
+        raise ValueError(f"k: expected shape {[*lead, 'Hkv', 'N', D]} to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"k: {Hkv} KV heads do not divide q's {H} heads (GQA needs H % Hkv == 0)")
+    if not 1 <= Q <= N:
+        raise ValueError(f"q: {Q} query tokens against {N} keys; need 1 <= Q <= N (the last Q keys are the queries')")
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
+
+
+def check_attn(attn: torch.Tensor, cfg: HermesConfig, num_visual: int | None = None) -> None:
+    """attn [L, B, V] float32/float64, finite; L = cfg.num_layers; V = num_visual when given."""
+    _config(cfg)
+    _tensor("attn", attn, (3,), SCORE_DTYPES, "[L, B, V] float32")
+    L, B, V = attn.shape
+    if L != cfg.num_layers:
+        raise ValueError(f"attn: expected [L={cfg.num_layers}, B, V], got {tuple(attn.shape)}")
+    if V < 1 or B < 1:
+        raise ValueError(f"attn: expected B >= 1 streams and V >= 1 visual tokens, got {tuple(attn.shape)}")
+    if num_visual is not None and V != num_visual:
+        raise ValueError(f"attn: expected [L, B, V={num_visual}] (V = N - prefix_len), got {tuple(attn.shape)}")
+    finite = torch.isfinite(attn).flatten(1).all(dim=1)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(f"attn: non-finite values in layer(s) {bad}")
+
+
+def check_scores(scores: torch.Tensor, cfg: HermesConfig) -> None:
+    """scores [L, B, V] float32/float64 with L = cfg.num_layers (finiteness is checked on attn upstream)."""
+    _config(cfg)
+    _tensor("scores", scores, (3,), SCORE_DTYPES, "[L, B, V] float32")
+    if scores.shape[0] != cfg.num_layers or scores.shape[1] < 1 or scores.shape[2] < 1:
+        raise ValueError(f"scores: expected [L={cfg.num_layers}, B>=1, V>=1], got {tuple(scores.shape)}")
+
+
+def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, cfg: HermesConfig,
+                inv_freq: torch.Tensor, mrope_section: Sequence[int] | None) -> None:
+    """keys/values [L,B,Hkv,N,D] one dtype and device, positions int64 [L,B,N] or [L,B,3,N] (M-RoPE),
+    inv_freq [D/2], mrope_section summing to D/2 when given; N > prefix_len."""
+    _config(cfg)
+    _tensor("keys", keys, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
+    _tensor("values", values, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
+    if values.shape != keys.shape:
+        raise ValueError(f"values: expected the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    if values.dtype != keys.dtype:
+        raise TypeError(f"values: dtype {values.dtype} differs from keys' {keys.dtype}")
+    _same_device("values", values, "keys", keys)
+    L, B, Hkv, N, D = keys.shape
+    if L != cfg.num_layers:
+        raise ValueError(f"keys: expected [L={cfg.num_layers}, B, Hkv, N, D], got {tuple(keys.shape)}")
+    if B < 1 or Hkv < 1:
+        raise ValueError(f"keys: expected B >= 1 and Hkv >= 1, got {tuple(keys.shape)}")
+    if N <= cfg.prefix_len:
+        raise ValueError(f"keys: cache length N={N} holds no visual token after prefix_len={cfg.prefix_len}")
+    if D % 2:
+        raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
+    expected = [L, B, 3, N] if mrope_section is not None else [L, B, N]
+    _tensor("positions", positions, (len(expected),), (torch.int64,),
+            f"{expected} int64" + (" (M-RoPE: t, h, w)" if mrope_section is not None else ""))
+    if list(positions.shape) != expected:
+        raise ValueError(f"positions: expected {expected} int64, got {tuple(positions.shape)}")
+    _same_device("positions", positions, "keys", keys)
+    _tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[D/2]")
+    if inv_freq.numel() != D // 2:
+        raise ValueError(f"inv_freq: expected [D/2={D // 2}], got {tuple(inv_freq.shape)}")
+    if mrope_section is not None:
+        section = list(mrope_section)
+        if len(section) != 3 or any(int(s) < 0 for s in section) or sum(int(s) for s in section) != D // 2:
+            raise ValueError(f"mrope_section: expected three pair counts (t, h, w) summing to D/2={D // 2}, "
+                             f"got {section}")
+
+
+def check_keep(keep: torch.Tensor, keys: torch.Tensor, cfg: HermesConfig) -> None:
+    """keep int64 [L, B, min(budget, V)] on keys' device (as returned by `select_keep`)."""
+    L, B, _, N, _ = keys.shape
+    n = min(cfg.budget, N - cfg.prefix_len)
+    _tensor("keep", keep, (3,), (torch.int64,), f"[L={L}, B={B}, n={n}] int64")
+    if list(keep.shape) != [L, B, n]:
+        raise ValueError(f"keep: expected [L={L}, B={B}, n={n}] int64, got {tuple(keep.shape)}")
+    _same_device("keep", keep, "keys", keys)
+
+
+def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) -> None:
+    """All checks of one compression step (§3 `compress_step`), before anything is written."""
+    check_cache(keys, values, positions, cfg, inv_freq, mrope_section)
+    check_attn(attn, cfg, num_visual=keys.shape[3] - cfg.prefix_len)
+    if attn.shape[1] != keys.shape[1]:
+        raise ValueError(f"attn: expected [L, B={keys.shape[1]}, V], got {tuple(attn.shape)}")
+    _same_device("attn", attn, "keys", keys)

@@ -1,0 +1,19 @@
+from setuptools import setup
+
+setup(
+    name="hermes-kernels",
+    version="0.1.0",
+    description="Fused Triton kernels and a transformers cache for HERMES streaming-video KV-cache compression",
+    packages=["hermes", "hermes.models", "hermes_kernels", "bench"],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "triton>=3.0",
+        "transformers>=5.0,<6",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6"],
+        "bench": ["matplotlib>=3.7"],
+        "flash": ["flash-attn>=2.6"],
+    },
+)
