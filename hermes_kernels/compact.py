@@ -1,0 +1,522 @@
+"""Stage 4: in-place compaction of the KV cache (DESIGN.md §2.6–2.8; paper Alg. 1 and appendix E).
+
+For every (layer, stream): the kept visual tokens (`keep`, ascending) move to slots P..P+n_l-1 (the prefix stays),
+their positions become P + dense rank among the retained values of each axis when re-indexing, their keys are
+rotated by (p_new - p_old)·inv_freq, and deep layers that pruned something get a summary token at slot P+n_l
+(mean of the pruned values; mean of the pruned keys each rotated to the target t = max retained position + 1).
+
+The re-indexing decision (`compacted_flag`) stays a 0-dim bool tensor on the cache's device and is applied
+branch-free: positions become where(flag, compacted, old), so an uncompacted step rotates by a zero delta, which is
+an exact identity (cos 0 = 1, sin 0 = 0).
+
+Dense rank of the retained positions per axis. The 1D positions of a well-formed cache strictly increase in cache
+order, and so does the M-RoPE t axis (non-decreasing), but the h and w axes cycle over the patch grid inside every
+frame, so no method may assume monotone values. Both backends therefore compute the rank the general way — sort
+the retained values of one (layer, stream, axis), mark where the sorted value changes, prefix-sum the marks,
+scatter the ranks back — and the Triton rank kernel first checks on the device whether the row is already
+non-decreasing in cache order and then takes the cheap path (prefix sum of "differs from the previous retained
+value") without sorting. Both paths give the `torch.unique`-based dense rank of `hermes.rope.compact_positions`
+for any input, so the result never depends on how the cache was built.
+
+Two implementations of one contract, side by side:
+  compact_triton — three launches whatever L, B and Hkv are: a rank kernel (one program per layer, stream and
+      axis), a plan kernel (one program per layer and stream: re-index flag, destination map, rotation deltas,
+      positions updated in place), and the move kernel (one program per layer, stream, KV head and channel group)
+      that walks the tokens left to right and moves/rotates K/V rows and accumulates the summary in registers.
+  compact_torch  — the CPU path: every op covers all layers, streams and heads (gather the kept rows, rotate,
+      write back; the deep layers' summary from a gather of the pruned rows), looping only over L2-sized token
+      tiles left to right; no Python loop over layers and no host sync.
+The positions are rewritten by the plan kernel rather than by the move kernel's head-0 program: every head's
+program needs the old positions (through the deltas), so rewriting them while other programs still read them
+would race; the plan kernel owns the whole row and can order its reads before its writes with a barrier.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hermes.config import DEEP, HermesConfig
+from hermes.rope import rotary_cos_sin
+
+from .launch import launch
+
+__all__ = ["compact_torch", "compact_triton"]
+
+# Sentinels for masked lanes of int64 position arithmetic: far outside any position, with room to add 1.
+_BIG = 2 ** 62
+# Values per token tile of the torch path over all (layer, stream, head) rows: 2 MiB of fp32, about L2-sized
+# (1/4 and 4x were measured slower at the LLaVA-OV-7B shape).
+_TILE_ELEMENTS = 1 << 19
+# Triton: source tokens per move-kernel iteration (no register spills at [32, 32] fp32 tiles on sm_90), and the
+# largest vector the rank/plan kernels loop over positions with.
+_MOVE_TOKENS = 32
+_CHUNK = 1024
+
+
+def _scratch(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised work memory; every op writes it before reading it (tests poison it through this seam)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _summary_layers(cfg: HermesConfig, V: int) -> tuple[int, int, int]:
+    """(first summary layer, kept count there, pruned count there); first == num_layers when no layer summarises.
+
+    Deep layers are the contiguous tail l >= deep_start and all keep n = min(b - 1, V); they summarise when
+    summary is on and V > n (§2.6). Everything here comes from the config and shapes: no device data is read.
+    """
+    first, L = cfg.deep_start, cfg.num_layers
+    kept = min(cfg.budget - 1, V)
+    if not cfg.summary or first >= L or V <= kept:
+        return L, kept, 0
+    return first, kept, V - kept
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch twin
+# ----------------------------------------------------------------------------------------------------------------
+
+def _dense_rank(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """0-based dense rank of each value among the valid values of its row (last dim); int64, same shape.
+
+    values int64 [..., n]; valid bool broadcastable to it. Invalid lanes sort last and get ranks past every valid
+    one, so they never change a valid lane's rank. Sort + "value changed" marks + prefix sum, scattered back.
+    """
+    padded = values.masked_fill(~valid, _BIG)
+    ordered, order = padded.sort(dim=-1)
+    changed = torch.zeros_like(ordered)
+    changed[..., 1:] = (ordered[..., 1:] != ordered[..., :-1]).to(ordered.dtype)
+    return torch.empty_like(ordered).scatter_(-1, order, changed.cumsum(-1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- x rotated by the angles of cos/sin (rotate-half, §2.8) in out's dtype (the work dtype); returns out.
+
+    x [..., D] in the cache dtype (promoted exactly to the work dtype by the ops), cos/sin broadcastable to
+    [..., D/2]; out must not overlap x. Four passes over half rows, no temporaries.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
+
+
+class _Rows:
+    """Tile-by-tile row gathers x[l, b, h, slots[l, b, i], :] from x [L, B, Hkv, N, D] (any strides).
+
+    x's storage is aliased as a 2D tensor whose rows start every g elements, g = gcd of x's four leading strides,
+    so every (layer, stream, head, token) row of x (buffer views included) is one of its rows; alias rows may
+    overlap in memory, which a read-only gather does not mind. The row numbers of all tiles are computed once,
+    tile-major, so a tile costs one `index_select` into one reused buffer of `tile` tokens, small enough to stay
+    in the CPU's caches (whole-cache temporaries would cost a page fault per 4 KiB on every call).
+    """
+
+    def __init__(self, x: torch.Tensor, slots: torch.Tensor, tile: int):
+        L, B, Hkv, N, D = x.shape
+        unit = math.gcd(*x.stride()[:4]) or 1
+        extent = sum((size - 1) * stride for size, stride in zip(x.shape[:4], x.stride()[:4])) // unit + 1
+        self.alias = x.as_strided((extent, D), (unit, x.stride(4)), x.storage_offset())
+        lead = [stride // unit for stride in x.stride()[:4]]
+        count = slots.shape[-1]
+        tiles = -(-count // tile)
+        # the last tile is padded with slot 0 of every (layer, stream, head): gathered, never written anywhere
+        padded = torch.nn.functional.pad(slots * lead[3], (0, tiles * tile - count))
+        index = (padded.view(L, B, 1, tiles, tile) + lead[0] * torch.arange(L, device=x.device).view(L, 1, 1, 1, 1)
+                 + lead[1] * torch.arange(B, device=x.device).view(1, B, 1, 1, 1)
+                 + lead[2] * torch.arange(Hkv, device=x.device).view(1, 1, Hkv, 1, 1))
+        self.index = index.permute(3, 0, 1, 2, 4).reshape(tiles, -1)  # [tiles, L·B·Hkv·tile], tile-major
+        self.buffer = _scratch((L * B * Hkv * tile, D), x.dtype, x.device)
+        self.shape = (L, B, Hkv, tile, D)
+
+    def gather(self, t: int, count: int) -> torch.Tensor:
+        """Rows of tile t as [L, B, Hkv, count, D], a view of the tile buffer (valid until the next call)."""
+        torch.index_select(self.alias, 0, self.index[t], out=self.buffer)
+        return self.buffer.view(self.shape)[:, :, :, :count]
+
+
+def _tile_tokens(x: torch.Tensor) -> int:
+    """Tokens per tile so that one tile's rows over all (layer, stream, head) of x hold ~_TILE_ELEMENTS values."""
+    return max(1, _TILE_ELEMENTS // (x.shape[0] * x.shape[1] * x.shape[2] * x.shape[4]))
+
+
+def _angles(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section, work: torch.dtype):
+    """cos, sin [L, B, 1, T, D/2] for position deltas [L, B, A, T] (A = 3 for M-RoPE), broadcast over heads."""
+    cos, sin = rotary_cos_sin(delta if mrope_section is not None else delta[:, :, 0], inv_freq, mrope_section, work)
+    return cos.unsqueeze(2), sin.unsqueeze(2)
+
+
+def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                  cfg: HermesConfig, inv_freq: torch.Tensor,
+                  mrope_section: Sequence[int] | None = None) -> tuple[int, torch.Tensor]:
+    """Vectorised PyTorch compaction, in place; same result as `hermes.reference.compact` (Alg. 1, appendix E).
+
+    keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64 (any strides); positions: int64 [L, B, N] (1D) or
+    [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep` (ascending, -1 padded: only deep layers with
+    summary on carry one -1, exactly in the column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
+    Returns (P + min(budget, V), compacted_flag 0-dim bool on the cache's device). No host synchronisation.
+
+    Every op covers all layers, streams and heads at once; the only Python loops run over token tiles (their
+    number follows from the shapes), which keeps the temporaries small. Tiles move left to right: tile [i0, i1)
+    writes slots P+i0..P+i1-1 and reads sources P + keep[i] >= P + i0, and later tiles read only sources
+    >= P + i1, so no row is overwritten before it is read.
+    """
+    L, B, Hkv, N, D = keys.shape
+    P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
+    work = _work_dtype(keys)
+    flag = _reindex_flag(positions, cfg)
+    pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
+    A = pos.shape[2]
+
+    # §2.7: old and new positions of the kept tokens, per axis
+    valid = (keep >= 0).unsqueeze(2)
+    src = keep.clamp(min=0) + P
+    old = pos.gather(3, src.unsqueeze(2).expand(L, B, A, n))
+    new = torch.where(flag & valid, P + _dense_rank(old, valid), old)
+    delta = new - old
+
+    # Alg. 1 in deep layers: fold the pruned rows in before the kept rows overwrite them
+    first, kept_deep, pruned_deep = _summary_layers(cfg, V)
+    if pruned_deep:
+        Ld = L - first
+        newest = new.masked_fill(~valid, -_BIG).amax(dim=(2, 3))  # [L, B]
+        if P:
+            newest = torch.maximum(newest, pos[..., :P].amax(dim=(2, 3)))
+        target = newest[first:] + 1  # t, the same on every axis
+        is_kept = torch.zeros(Ld, B, V, dtype=torch.int8, device=keys.device)
+        is_kept.scatter_(2, keep[first:, :, :kept_deep], 1)
+        pruned = is_kept.argsort(dim=-1, stable=True)[..., :pruned_deep] + P  # [Ld, B, m] slots, ascending
+        old_pruned = pos[first:].gather(3, pruned.unsqueeze(2).expand(Ld, B, A, pruned_deep))
+        to_target = target.view(Ld, B, 1, 1) - old_pruned
+        tile = _tile_tokens(keys[first:])
+        deep_keys, deep_values = _Rows(keys[first:], pruned, tile), _Rows(values[first:], pruned, tile)
+        rotated = _scratch((Ld, B, Hkv, tile, D), work, keys.device)
+        k_sum = torch.zeros(Ld, B, Hkv, D, dtype=work, device=keys.device)
+        v_sum = torch.zeros_like(k_sum)
+        for t, j0 in enumerate(range(0, pruned_deep, tile)):
+            j1 = min(j0 + tile, pruned_deep)
+            cos, sin = _angles(to_target[..., j0:j1], inv_freq, mrope_section, work)
+            turned = _rotate(deep_keys.gather(t, j1 - j0), cos, sin, rotated[:, :, :, :j1 - j0])
+            k_sum += turned.sum(dim=3)
+            v_sum += deep_values.gather(t, j1 - j0).sum(dim=3, dtype=work)
+
+    # appendix E: kept rows to slots P..P+n-1, keys rotated by their own position delta
+    tile = _tile_tokens(keys)
+    key_rows, value_rows = _Rows(keys, src, tile), _Rows(values, src, tile)
+    # fp32/fp64 caches take the rotation straight into their slots; others go through a work-dtype tile
+    rotated = None if keys.dtype == work else _scratch((L, B, Hkv, tile, D), work, keys.device)
+    for t, i0 in enumerate(range(0, n, tile)):
+        i1 = min(i0 + tile, n)
+        cos, sin = _angles(delta[..., i0:i1], inv_freq, mrope_section, work)
+        slots = keys[:, :, :, P + i0:P + i1]
+        out = slots if rotated is None else rotated[:, :, :, :i1 - i0]
+        _rotate(key_rows.gather(t, i1 - i0), cos, sin, out)
+        if rotated is not None:
+            slots.copy_(out)
+        values[:, :, :, P + i0:P + i1] = value_rows.gather(t, i1 - i0)
+    pos[..., P:P + n] = new
+    if pruned_deep:
+        slot = P + kept_deep
+        keys[first:, :, :, slot] = (k_sum / pruned_deep).to(keys.dtype)
+        values[first:, :, :, slot] = (v_sum / pruned_deep).to(values.dtype)
+        pos[first:, :, :, slot] = target.unsqueeze(2)
+    return P + min(cfg.budget, V), flag
+
+
+def _reindex_flag(positions: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
+    """0-dim bool on positions' device: eager always, lazy once any position exceeds max_positions - margin (§2.7)."""
+    if cfg.reindex == "eager":
+        return torch.ones((), dtype=torch.bool, device=positions.device)
+    return positions.amax() > cfg.max_positions - cfg.margin
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton: three launches per step, whatever L, B and Hkv are
+# ----------------------------------------------------------------------------------------------------------------
+
+_BIG_C = tl.constexpr(_BIG)
+_KEY_PAD = tl.constexpr(2 ** 63 - 1)  # sorts after every packed (value, index) key
+
+
+@triton.jit
+def _count_changes(first_a, last_a, count_a, first_b, last_b, count_b):
+    # scan element = a run of sorted values: (first value, last value, value changes inside); concatenation adds
+    # one change where the runs meet on different values, so the inclusive scan counts changes up to each lane
+    return first_a, last_b, count_a + count_b + (first_b != last_a).to(count_a.dtype)
+
+
+# Reads one axis row of positions (all N, for the lazy trigger) and the kept tokens' values (gathered through
+# keep); writes the compacted candidate P + dense rank for every kept token, in keep order. The sort packs
+# (value - row minimum, lane) into one int64, so a row's retained values must span less than 2**(63 - IDX_BITS).
+@triton.jit
+def _rank_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr,
+                 sp_l, sp_b, sp_a, sp_n, sk_l, sk_b, sk_n,
+                 B, N, P, V, n_out,
+                 A: tl.constexpr, EAGER: tl.constexpr, BLOCK_N: tl.constexpr, IDX_BITS: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    pid = tl.program_id(0)  # (layer, stream, axis), axis fastest
+    axis = pid % A
+    layer = pid // A // B
+    stream = pid // A % B
+    row = pos_ptr + layer.to(tl.int64) * sp_l + stream.to(tl.int64) * sp_b + axis.to(tl.int64) * sp_a
+    if not EAGER:
+        # §2.7 lazy trigger, part 1: the largest position of this row
+        top = tl.full([CHUNK], -_BIG_C, tl.int64)
+        for start in range(0, N, CHUNK):
+            j = start + tl.arange(0, CHUNK)
+            top = tl.maximum(top, tl.load(row + j.to(tl.int64) * sp_n, mask=j < N, other=-_BIG_C))
+        tl.store(rowmax_ptr + pid, tl.max(top, axis=0))
+
+    n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
+    i = tl.arange(0, BLOCK_N)
+    valid = i < n_keep
+    later = valid & (i > 0)
+    keep_row = keep_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b
+    src = tl.load(keep_row + i * sk_n, mask=valid, other=0)
+    old = tl.load(row + (P + src) * sp_n, mask=valid, other=0)
+    prev_src = tl.load(keep_row + (i - 1) * sk_n, mask=later, other=0)
+    prev = tl.load(row + (P + prev_src) * sp_n, mask=later, other=0)
+    out = cand_ptr + pid.to(tl.int64) * n_out
+    descents = tl.sum((later & (old < prev)).to(tl.int32), axis=0)
+    if descents == 0:
+        # values already non-decreasing in cache order (1D caches, the t axis): dense rank = changes so far
+        rank = tl.cumsum((later & (old != prev)).to(tl.int64), axis=0)
+        tl.store(out + i, P + rank, mask=valid)
+    else:
+        # general case (h/w axes cycle inside frames): sort (value, index) keys, count value changes, scatter back
+        lowest = tl.min(tl.where(valid, old, _BIG_C), axis=0)
+        key = tl.where(valid, ((old - lowest) << IDX_BITS) | i.to(tl.int64), _KEY_PAD)
+        key = tl.sort(key)
+        value = key >> IDX_BITS
+        _, _, rank = tl.associative_scan((value, value, tl.zeros_like(value)), 0, _count_changes)
+        tl.store(out + (key & ((1 << IDX_BITS) - 1)), P + rank, mask=valid)
+
+
+# One program per (layer, stream); everything it touches is that row's: reads positions, keep and the candidates,
+# writes the destination map, the rotation deltas (kept: new - old; pruned in summarising layers: t - old) and
+# last the new positions in place, chunk by chunk left to right (slot P+i is only read as a source by chunks up
+# to i's own, and a barrier separates each chunk's reads from its writes).
+@triton.jit
+def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, dest_ptr, delta_ptr, flag_ptr,
+                 sp_l, sp_b, sp_a, sp_n, sk_l, sk_b, sk_n,
+                 B, P, V, n_out, num_rows, threshold, summary_role,
+                 A: tl.constexpr, EAGER: tl.constexpr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)  # (layer, stream)
+    layer = pid // B
+    stream = pid % B
+    # §2.7: one re-index decision for the whole step (every program derives the same one)
+    if EAGER:
+        compacted = tl.full([], 1, tl.int1)
+    else:
+        top = tl.full([CHUNK], -_BIG_C, tl.int64)
+        for start in range(0, num_rows, CHUNK):
+            r = start + tl.arange(0, CHUNK)
+            top = tl.maximum(top, tl.load(rowmax_ptr + r, mask=r < num_rows, other=-_BIG_C))
+        compacted = tl.max(top, axis=0) > threshold
+    tl.store(flag_ptr, compacted, mask=pid == 0)
+
+    n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
+    summarise = (tl.load(role_ptr + layer) == summary_role) & (V > n_keep)
+    keep_row = keep_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b
+    row = pos_ptr + layer.to(tl.int64) * sp_l + stream.to(tl.int64) * sp_b
+    cand_row = cand_ptr + pid.to(tl.int64) * A * n_out
+    dest_row = dest_ptr + pid.to(tl.int64) * V
+    delta_row = delta_ptr + pid.to(tl.int64) * A * V
+
+    for start in range(0, V, CHUNK):
+        j = start + tl.arange(0, CHUNK)
+        tl.store(dest_row + j, tl.full([CHUNK], -1, tl.int32), mask=j < V)
+    # Alg. 1 target t: largest retained position after re-indexing (prefix included, all axes) + 1
+    top = tl.full([CHUNK], -_BIG_C, tl.int64)
+    for a in tl.static_range(A):
+        for start in range(0, P, CHUNK):
+            j = start + tl.arange(0, CHUNK)
+            top = tl.maximum(top, tl.load(row + a * sp_a + j.to(tl.int64) * sp_n, mask=j < P, other=-_BIG_C))
+        for start in range(0, n_keep, CHUNK):
+            i = start + tl.arange(0, CHUNK)
+            valid = i < n_keep
+            src = tl.load(keep_row + i * sk_n, mask=valid, other=0)
+            old = tl.load(row + a * sp_a + (P + src) * sp_n, mask=valid, other=0)
+            new = tl.where(compacted, tl.load(cand_row + a * n_out + i, mask=valid, other=0), old)
+            top = tl.maximum(top, tl.where(valid, new, -_BIG_C))
+            tl.store(delta_row + a * V + src, new - old, mask=valid)
+    target = tl.max(top, axis=0) + 1
+    tl.debug_barrier()  # the -1 fill lands before the slots
+    for start in range(0, n_keep, CHUNK):
+        i = start + tl.arange(0, CHUNK)
+        src = tl.load(keep_row + i * sk_n, mask=i < n_keep, other=0)
+        tl.store(dest_row + src, i.to(tl.int32), mask=i < n_keep)
+    tl.debug_barrier()  # slots visible to every thread before the pruned scan reads them
+
+    if summarise:
+        for start in range(0, V, CHUNK):
+            j = start + tl.arange(0, CHUNK)
+            pruned = (j < V) & (tl.load(dest_row + j, mask=j < V, other=0) < 0)
+            for a in tl.static_range(A):
+                at = tl.load(row + a * sp_a + (P + j).to(tl.int64) * sp_n, mask=pruned, other=0)
+                tl.store(delta_row + a * V + j, target - at, mask=pruned)
+
+    for a in tl.static_range(A):
+        for start in range(0, n_keep, CHUNK):
+            i = start + tl.arange(0, CHUNK)
+            valid = i < n_keep
+            src = tl.load(keep_row + i * sk_n, mask=valid, other=0)
+            old = tl.load(row + a * sp_a + (P + src) * sp_n, mask=valid, other=0)
+            new = tl.where(compacted, tl.load(cand_row + a * n_out + i, mask=valid, other=0), old)
+            tl.debug_barrier()  # this chunk's old positions are read before its slots are overwritten
+            tl.store(row + a * sp_a + (P + i).to(tl.int64) * sp_n, new, mask=valid)
+        tl.store(row + a * sp_a + (P + n_keep).to(tl.int64) * sp_n, target, mask=summarise)
+
+
+# One program per (layer, stream, KV head, channel group) walks source tokens left to right in tiles of BLOCK_T:
+# loads the K/V rows it needs (moved, rotated, or pruned in a summarising layer) once, and after a barrier stores
+# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe.
+@triton.jit
+def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, role_ptr,
+                 sk_l, sk_b, sk_h, sk_n, sk_d, sv_l, sv_b, sv_h, sv_n, sv_d,
+                 B, Hkv, P, V, HALF, summary_role,
+                 A: tl.constexpr, T_END: tl.constexpr, H_END: tl.constexpr, WORK: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    pid = tl.program_id(0)  # (layer, stream, head), head fastest
+    head = pid % Hkv
+    row = pid // Hkv
+    layer = row // B
+    stream = row % B
+    n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
+    summarise = (tl.load(role_ptr + layer) == summary_role) & (V > n_keep)
+
+    pair = tl.program_id(1) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    in_dim = pair < HALF
+    inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
+    if A == 3:
+        axis = (pair >= T_END).to(tl.int32) + (pair >= H_END).to(tl.int32)  # M-RoPE section of each pair
+    k_base = k_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
+    v_base = v_ptr + layer.to(tl.int64) * sv_l + stream.to(tl.int64) * sv_b + head.to(tl.int64) * sv_h
+    k_col1 = pair[None, :] * sk_d
+    k_col2 = (pair + HALF)[None, :] * sk_d
+    v_col1 = pair[None, :] * sv_d
+    v_col2 = (pair + HALF)[None, :] * sv_d
+    dest_row = dest_ptr + row.to(tl.int64) * V
+    delta_row = delta_ptr + row.to(tl.int64) * A * V
+
+    sum_k1 = tl.zeros([BLOCK_PAIRS], WORK)
+    sum_k2 = tl.zeros([BLOCK_PAIRS], WORK)
+    sum_v1 = tl.zeros([BLOCK_PAIRS], WORK)
+    sum_v2 = tl.zeros([BLOCK_PAIRS], WORK)
+    for start in range(0, V, BLOCK_T):
+        j = start + tl.arange(0, BLOCK_T)
+        slot = tl.load(dest_row + j, mask=j < V, other=-1)
+        kept = slot >= 0
+        pruned = tl.where(summarise, (j < V) & (slot < 0), False)  # only summarising layers read them
+        needed = kept | pruned
+        # §2.8: angle = delta·inv_freq in the work dtype from the integer delta, per M-RoPE section
+        d0 = tl.load(delta_row + j, mask=needed, other=0)
+        if A == 3:
+            d1 = tl.load(delta_row + V + j, mask=needed, other=0)
+            d2 = tl.load(delta_row + 2 * V + j, mask=needed, other=0)
+            rotated = (d0 != 0) | (d1 != 0) | (d2 != 0)
+            delta = tl.where(axis[None, :] == 0, d0[:, None],
+                             tl.where(axis[None, :] == 1, d1[:, None], d2[:, None]))
+        else:
+            rotated = d0 != 0
+            delta = d0[:, None]
+        angle = delta.to(WORK) * inv_freq[None, :]
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+        move_k = kept & ((slot != j) | rotated)
+        move_v = kept & (slot != j)
+        src = (P + j).to(tl.int64)[:, None]
+        mask_k = (move_k | pruned)[:, None] & in_dim[None, :]
+        mask_v = (move_v | pruned)[:, None] & in_dim[None, :]
+        k1 = tl.load(k_base + src * sk_n + k_col1, mask=mask_k, other=0).to(WORK)
+        k2 = tl.load(k_base + src * sk_n + k_col2, mask=mask_k, other=0).to(WORK)
+        v1 = tl.load(v_base + src * sv_n + v_col1, mask=mask_v, other=0)
+        v2 = tl.load(v_base + src * sv_n + v_col2, mask=mask_v, other=0)
+        r1 = k1 * cos - k2 * sin
+        r2 = k2 * cos + k1 * sin
+        # Alg. 1: pruned keys rotated to the summary target (their delta is t - p_old) and pruned values, summed
+        fold = pruned[:, None]
+        sum_k1 += tl.sum(tl.where(fold, r1, 0), axis=0)
+        sum_k2 += tl.sum(tl.where(fold, r2, 0), axis=0)
+        sum_v1 += tl.sum(tl.where(fold, v1.to(WORK), 0), axis=0)
+        sum_v2 += tl.sum(tl.where(fold, v2.to(WORK), 0), axis=0)
+        tl.debug_barrier()  # the whole tile is read before any thread overwrites a slot inside it
+        dst = (P + slot).to(tl.int64)[:, None]
+        store_k = move_k[:, None] & in_dim[None, :]
+        store_v = move_v[:, None] & in_dim[None, :]
+        tl.store(k_base + dst * sk_n + k_col1, r1.to(k_ptr.dtype.element_ty), mask=store_k)
+        tl.store(k_base + dst * sk_n + k_col2, r2.to(k_ptr.dtype.element_ty), mask=store_k)
+        tl.store(v_base + dst * sv_n + v_col1, v1, mask=store_v)
+        tl.store(v_base + dst * sv_n + v_col2, v2, mask=store_v)
+
+    if summarise:
+        # Alg. 1: the means go to slot P + n_l, right after the kept tokens
+        count = (V - n_keep).to(WORK)
+        k_at = k_base + (P + n_keep).to(tl.int64) * sk_n
+        v_at = v_base + (P + n_keep).to(tl.int64) * sv_n
+        tl.store(k_at + k_col1, (sum_k1 / count).to(k_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+        tl.store(k_at + k_col2, (sum_k2 / count).to(k_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+        tl.store(v_at + v_col1, (sum_v1 / count).to(v_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+        tl.store(v_at + v_col2, (sum_v2 / count).to(v_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+
+
+_TL_WORK = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                   cfg: HermesConfig, inv_freq: torch.Tensor,
+                   mrope_section: Sequence[int] | None = None) -> tuple[int, torch.Tensor]:
+    """Fused in-place compaction (Alg. 1, appendix E) in three launches; same result as `hermes.reference.compact`.
+
+    keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64, any strides (e.g. `buffer[..., :N, :]` views);
+    positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep`.
+    Launches: rank (grid L·B·A), plan (grid L·B), move (grid L·B·Hkv × channel groups); O(L·B·A·V) int scratch.
+    Returns (P + min(budget, V), compacted_flag 0-dim bool on the cache's device); no host synchronisation.
+    """
+    L, B, Hkv, N, D = keys.shape
+    P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
+    device = keys.device
+    work = _work_dtype(keys)
+    pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
+    A = pos.shape[2]
+    half = D // 2
+    t_end, h_end = half, half
+    if mrope_section is not None:
+        t_end = int(mrope_section[0])
+        h_end = t_end + int(mrope_section[1])
+    per_layer = cfg.on(device)
+    inv = inv_freq.to(device=device, dtype=work)
+
+    cand = _scratch((L, B, A, n), torch.int64, device)  # P + dense rank of every kept token, keep order
+    rowmax = _scratch((L * B * A,), torch.int64, device)  # largest position of every axis row (lazy trigger)
+    dest = _scratch((L, B, V), torch.int32, device)  # slot of every visual token among the kept, or -1
+    delta = _scratch((L, B, A, V), torch.int64, device)  # rotation delta of every token that is read
+    flag = _scratch((), torch.bool, device)
+    eager = cfg.reindex == "eager"
+    summary_role = DEEP if cfg.summary else -1  # layers of this role fold their pruned tokens (Alg. 1)
+    block_n = triton.next_power_of_2(n)
+    chunk = min(_CHUNK, triton.next_power_of_2(max(N, L * B * A)))
+    warps = min(16, max(4, block_n // 512))  # the sort holds the whole kept row in registers
+
+    launch(_rank_kernel, (L * B * A,), pos, keep, cand, rowmax, per_layer.layer_budget,
+           *pos.stride(), *keep.stride(), B, N, P, V, n,
+           A=A, EAGER=eager, BLOCK_N=block_n, IDX_BITS=block_n.bit_length() - 1, CHUNK=chunk, num_warps=warps)
+    launch(_plan_kernel, (L * B,), pos, keep, cand, rowmax, per_layer.layer_budget, per_layer.role, dest, delta,
+           flag, *pos.stride(), *keep.stride(), B, P, V, n, L * B * A, cfg.max_positions - cfg.margin,
+           summary_role, A=A, EAGER=eager, CHUNK=chunk)
+    block_pairs = min(32, triton.next_power_of_2(half))
+    launch(_move_kernel, (L * B * Hkv, triton.cdiv(half, block_pairs)), keys, values, dest, delta, inv,
+           per_layer.layer_budget, per_layer.role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
+           summary_role, A=A, T_END=t_end, H_END=h_end, WORK=_TL_WORK[work],
+           BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
+    return P + min(cfg.budget, V), flag

@@ -1,0 +1,240 @@
+"""Stage 4, in-place compaction: hermes_kernels.compact on both backends against hermes.reference.compact.
+
+Every test builds a fresh cache (seeded), runs the reference on a clone, and checks the fast path: same length and
+re-index flag, positions equal in the first `length` slots, kept values bit-equal, kept keys bit-equal when nothing
+is re-indexed (a zero delta is an exact identity) and within the dtype's tolerance otherwise, summary tokens within
+tolerance, slots from `length` on untouched, the same storage, and nothing written past N of a larger buffer.
+Scratch memory of both backends is poisoned (NaN / int minimum / True) so a read of an unwritten word shows up.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hermes_kernels as hk
+from hermes import HermesConfig
+from hermes import reference as ref
+from tests.conftest import DEVICE
+from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
+
+compact_module = importlib.import_module("hermes_kernels.compact")
+
+BACKENDS = ["torch", "triton"]
+SPARE = 5  # buffer slots past N in "view" layouts, poisoned and checked untouched
+POSITION_POISON = -(2 ** 40)
+
+
+@dataclass(frozen=True)
+class Case:
+    preset: str
+    L: int
+    B: int
+    Hkv: int
+    D: int
+    P: int
+    V: int
+    budget: int
+    dtype: torch.dtype
+    section: tuple[int, int, int] | None
+    mode: str  # "eager", "lazy-below" (positions far from the limit), "lazy-above" (past max_positions - margin)
+    summary: bool
+    layout: str  # "view": buffer[..., :N, :] of a larger poisoned buffer; "contiguous"
+
+    @property
+    def id(self) -> str:
+        rope = "1d" if self.section is None else "mrope" + "-".join(map(str, self.section))
+        return (f"{self.preset}-L{self.L}B{self.B}Hkv{self.Hkv}D{self.D}P{self.P}V{self.V}b{self.budget}-"
+                f"{str(self.dtype)[6:]}-{rope}-{self.mode}-s{int(self.summary)}-{self.layout}")
+
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+CASES = [
+    # V above budget, 1D, both layouts, all presets, all three re-index modes
+    Case("llava_ov", 4, 1, 1, 64, 14, 37, 16, F32, None, "eager", True, "view"),
+    Case("llava_ov", 5, 3, 3, 128, 0, 29, 12, F16, None, "lazy-below", True, "contiguous"),
+    Case("llava_ov", 3, 1, 3, 128, 14, 45, 44, F32, None, "lazy-above", True, "contiguous"),
+    Case("paper", 4, 2, 1, 64, 0, 27, 9, BF16, None, "lazy-above", False, "view"),
+    Case("paper", 4, 1, 3, 64, 14, 31, 7, F64, None, "eager", True, "view"),
+    # V at budget: deep layers prune exactly one token into the summary
+    Case("llava_ov", 4, 3, 1, 64, 14, 23, 23, BF16, None, "lazy-above", True, "view"),
+    Case("paper", 4, 1, 3, 64, 0, 26, 26, F16, None, "eager", False, "view"),
+    # V below budget: nothing pruned, no summary
+    Case("llava_ov", 4, 1, 1, 64, 14, 1, 5, F32, None, "eager", True, "contiguous"),
+    Case("qwen2_5_vl", 4, 1, 1, 128, 0, 21, 30, BF16, (16, 24, 24), "lazy-above", True, "contiguous"),
+    Case("qwen2_5_vl", 4, 3, 1, 16, 0, 19, 40, F32, (2, 3, 3), "eager", False, "view"),
+    # M-RoPE above budget
+    Case("qwen2_5_vl", 4, 2, 3, 16, 14, 33, 10, F32, (2, 3, 3), "eager", True, "view"),
+    Case("qwen2_5_vl", 5, 3, 1, 128, 14, 41, 19, F16, (16, 24, 24), "lazy-below", False, "view"),
+    Case("paper", 4, 2, 1, 16, 14, 30, 7, BF16, (2, 3, 3), "lazy-above", True, "contiguous"),
+    Case("qwen2_5_vl", 4, 1, 3, 128, 0, 35, 13, F32, (16, 24, 24), "lazy-above", True, "view"),
+]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_scratch(monkeypatch):
+    """Route both backends' work memory through a poisoning allocator."""
+    def scratch(shape, dtype, device):
+        out = torch.empty(shape, dtype=dtype, device=device)
+        if dtype.is_floating_point:
+            return out.fill_(float("nan"))
+        return out.fill_(True if dtype == torch.bool else torch.iinfo(dtype).min)
+    monkeypatch.setattr(compact_module, "_scratch", scratch)
+
+
+def make_config(case: Case) -> tuple[HermesConfig, int]:
+    """The case's config and the first visual position (past max_positions - margin for "lazy-above")."""
+    reindex = "eager" if case.mode == "eager" else "lazy"
+    limits = dict(max_positions=1000, margin=64) if case.mode == "lazy-above" else {}
+    cfg = getattr(HermesConfig, case.preset)(case.L, case.budget, case.P, reindex=reindex, summary=case.summary,
+                                             **limits)
+    return cfg, (1000 if case.mode == "lazy-above" else 0)
+
+
+def make_cache(case: Case, g: torch.Generator, positions: torch.Tensor | None = None):
+    """keys, values [L, B, Hkv, N, D], positions, and the buffers they view (None when contiguous)."""
+    L, B, Hkv, D, P, V = case.L, case.B, case.Hkv, case.D, case.P, case.V
+    N = P + V
+    _, start = make_config(case)
+    data = [torch.randn(L, B, Hkv, N, D, generator=g).to(case.dtype) for _ in range(2)]
+    if positions is None:
+        positions = synthetic_positions(L, B, N, P, g, mrope=case.section is not None, start=start)
+    if case.layout == "contiguous":
+        return data[0].to(DEVICE), data[1].to(DEVICE), positions.to(DEVICE), None
+    buffers = [torch.full((L, B, Hkv, N + SPARE, D), float("nan"), dtype=case.dtype) for _ in range(2)]
+    for buf, x in zip(buffers, data):
+        buf[..., :N, :] = x
+    pos_buf = torch.full((*positions.shape[:-1], N + SPARE), POSITION_POISON, dtype=torch.int64)
+    pos_buf[..., :N] = positions
+    buffers = [t.to(DEVICE) for t in (*buffers, pos_buf)]
+    return buffers[0][..., :N, :], buffers[1][..., :N, :], buffers[2][..., :N], buffers
+
+
+def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None = None,
+             cfg: HermesConfig | None = None) -> bool:
+    """Compact one cache with `backend` and with the reference; assert everything matches. Returns the flag."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = make_config(case)[0] if cfg is None else cfg
+    keys, values, positions, buffers = make_cache(case, g, positions)
+    keep = ref.select_keep(ref.hermes_scores(distinct_attention(case.L, case.B, case.V, g), cfg), cfg).to(DEVICE)
+    inv_freq = inv_freq_for(case.D, device=DEVICE)
+    section = None if case.section is None else list(case.section)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
+
+    storage = [t.data_ptr() for t in (keys, values, positions)]
+    length, flag = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend)
+
+    assert [t.data_ptr() for t in (keys, values, positions)] == storage, "not in place"
+    assert isinstance(length, int) and length == ref_length
+    assert isinstance(flag, torch.Tensor) and flag.dtype == torch.bool and flag.dim() == 0
+    assert flag.device == keys.device and bool(flag) == bool(ref_flag)
+    n = length
+    assert torch.equal(positions[..., :n].cpu(), rp[..., :n].cpu()), "positions differ"
+    atol, rtol = TOL[case.dtype]
+    assert_close_verbose(keys[..., :n, :], rk[..., :n, :], atol, rtol, "keys")
+    assert_close_verbose(values[..., :n, :], rv[..., :n, :], atol, rtol, "values")
+    # kept rows (all but a summary slot) are copies, and keys are exact too when positions are not re-indexed
+    kept = (keep >= 0).sum(dim=-1).cpu()
+    for layer in range(case.L):
+        for b in range(case.B):
+            end = case.P + int(kept[layer, b])
+            assert torch.equal(values[layer, b, :, :end].cpu(), rv[layer, b, :, :end].cpu()), \
+                f"kept values of layer {layer} stream {b} are not bit-exact copies"
+            if not bool(ref_flag):
+                assert torch.equal(keys[layer, b, :, :end].cpu(), rk[layer, b, :, :end].cpu()), \
+                    f"keys of layer {layer} stream {b} changed although nothing was re-indexed"
+    # slots from `length` on are left as they were, and nothing past N of the buffer is touched
+    assert torch.equal(keys[..., n:, :].cpu(), rk[..., n:, :].cpu())
+    assert torch.equal(values[..., n:, :].cpu(), rv[..., n:, :].cpu())
+    assert torch.equal(positions[..., n:].cpu(), rp[..., n:].cpu())
+    if buffers is not None:
+        N = case.P + case.V
+        assert torch.isnan(buffers[0][..., N:, :]).all() and torch.isnan(buffers[1][..., N:, :]).all(), \
+            "wrote past N"
+        assert (buffers[2][..., N:] == POSITION_POISON).all(), "wrote positions past N"
+    return bool(flag)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_matches_reference(case, backend):
+    compacted = run_case(case, backend, seed=CASES.index(case))
+    assert compacted == (case.mode != "lazy-below")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("section", [None, (2, 3, 3)])
+def test_dense_rank_of_arbitrary_positions(section, backend):
+    """Positions in no order, with repeats on every axis: ranks still equal the reference's (torch.unique)."""
+    case = Case("qwen2_5_vl", 4, 2, 2, 16 if section else 64, 3, 29, 11, F32, section, "eager", True, "view")
+    g = torch.Generator().manual_seed(11)
+    shape = (case.L, case.B, 3, case.P + case.V) if section else (case.L, case.B, case.P + case.V)
+    positions = torch.randint(0, 12, shape, generator=g)
+    run_case(case, backend, seed=12, positions=positions)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("section", [None, (2, 3, 3)])
+def test_lazy_threshold_is_strict(section, backend):
+    """Lazy re-indexing starts once the largest position exceeds max_positions - margin, not when it equals it."""
+    case = Case("qwen2_5_vl", 4, 2, 1, 16, 3, 25, 10, F32, section, "lazy-below", True, "view")
+    g = torch.Generator().manual_seed(21)
+    positions = synthetic_positions(case.L, case.B, case.P + case.V, case.P, g, mrope=section is not None,
+                                    start=500)
+    top, margin = int(positions.max()), 64
+    for max_positions, expected in ((top + margin, False), (top + margin - 1, True)):
+        cfg = HermesConfig.qwen2_5_vl(case.L, case.budget, case.P, max_positions=max_positions, margin=margin)
+        assert run_case(case, backend, seed=22, positions=positions, cfg=cfg) == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_tiles_move_left_to_right(backend, monkeypatch):
+    """Tiles far smaller than the cache: in-place safety across tile and chunk boundaries."""
+    monkeypatch.setattr(compact_module, "_TILE_ELEMENTS", 3 * 256)  # torch: 3 tokens per tile (L·B·Hkv·D = 256)
+    monkeypatch.setattr(compact_module, "_MOVE_TOKENS", 8)
+    monkeypatch.setattr(compact_module, "_CHUNK", 16)
+    for seed, case in enumerate([
+            Case("qwen2_5_vl", 4, 2, 2, 16, 14, 67, 29, BF16, (2, 3, 3), "eager", True, "view"),
+            Case("llava_ov", 4, 1, 1, 64, 3, 70, 50, F32, None, "lazy-below", True, "view")]):
+        run_case(case, backend, seed=40 + seed)
+
+
+def launches_for(L: int, B: int) -> int:
+    case = Case("llava_ov", L, B, 1, 16, 2, 12, 6, F32, None, "eager", True, "contiguous")
+    before = hk.launch_count()
+    run_case(case, "triton", seed=L + B)
+    return hk.launch_count() - before
+
+
+def test_triton_launch_count_independent_of_layers_and_streams():
+    counts = {(L, B): launches_for(L, B) for L, B in [(2, 1), (28, 1), (2, 3)]}
+    assert len(set(counts.values())) == 1, f"launches per step vary: {counts}"
+    assert counts[(2, 1)] == 3, f"expected the rank, plan and move launches, got {counts[(2, 1)]}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_before_writing(backend):
+    case = Case("qwen2_5_vl", 4, 1, 2, 16, 2, 10, 5, F32, (2, 3, 3), "eager", True, "contiguous")
+    cfg = make_config(case)[0]
+    g = torch.Generator().manual_seed(31)
+    keys, values, positions, _ = make_cache(case, g)
+    keep = ref.select_keep(ref.hermes_scores(distinct_attention(4, 1, 10, g), cfg), cfg).to(DEVICE)
+    inv_freq = inv_freq_for(16, device=DEVICE)
+    snapshot = [t.clone() for t in (keys, values, positions)]
+    bad_calls = [
+        (ValueError, "keep", (keys, values, positions, keep[..., :-1], cfg, inv_freq, [2, 3, 3])),
+        (TypeError, "keep", (keys, values, positions, keep.to(torch.int32), cfg, inv_freq, [2, 3, 3])),
+        (TypeError, "positions", (keys, values, positions.float(), keep, cfg, inv_freq, [2, 3, 3])),
+        (ValueError, "positions", (keys, values, positions, keep, cfg, inv_freq, None)),
+        (ValueError, "mrope_section", (keys, values, positions, keep, cfg, inv_freq, [2, 3, 4])),
+        (ValueError, "inv_freq", (keys, values, positions, keep, cfg, inv_freq[:-1], [2, 3, 3])),
+        (TypeError, "values", (keys, values.half(), positions, keep, cfg, inv_freq, [2, 3, 3])),
+    ]
+    for error, name, args in bad_calls:
+        with pytest.raises(error, match=name):
+            hk.compact(*args, backend=backend)
+    for before, after in zip(snapshot, (keys, values, positions)):
+        assert torch.equal(before, after)
