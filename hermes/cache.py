@@ -1,0 +1,432 @@
+"""The HERMES KV cache: a `transformers.Cache` over one preallocated stacked buffer per device (DESIGN.md §2.6–2.7).
+
+Every layer holds the same number of tokens (§2.6), so keys and values live in one stacked tensor
+`[L, B, Hkv, capacity, D]` per device (a model split with `device_map` keeps one stack per device, each
+holding its consecutive layers). The buffers are allocated once and never reallocated: appending writes
+into free slots, compression (`hermes_kernels.compress_step`) rewrites the first slots in place, and
+truncation only moves the length back. Memory is flat for any stream length.
+
+Positions: each (layer, stream) keeps its own position ids, int64 `[L, B, capacity]` (1D RoPE) or
+`[L, B, 3, capacity]` (M-RoPE t/h/w), because compression leaves gaps and deep layers carry summary
+positions (§2.7). Incoming tokens continue from that layer's largest position + 1, plus a relative offset
+per token (text: 0, 1, 2, ...; video: the family's grid layout). The model itself runs with default
+positions `length + i`; the attention function (`hermes.attention`) rotates the incoming q/k by
+`incoming_delta(layer)` = true - default, which the cache computes once per forward.
+
+Modes of a forward (set with `forward_context`): store (the default, also what `model.generate` gets:
+tokens are appended and the length grows) and read-only (tokens are written to the free slots past the
+length so attention can read them, but the length does not move: guidance passes and scoring).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+from typing import Iterator, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import hermes_kernels as hk
+from hermes.config import HermesConfig
+from hermes.reference import CompressResult
+
+_HANDOFF = threading.local()
+
+
+def claim_update(key: torch.Tensor) -> tuple["HermesCache", int] | None:
+    """The (cache, layer) whose `update` returned exactly `key`, consumed once; None for any other tensor.
+
+    The model calls `cache.update` right before its attention function, on the same thread, and passes the
+    returned keys on unchanged; identity of that tensor object ties the attention call to the cache without
+    threading anything through the model's forward signature.
+    """
+    last = getattr(_HANDOFF, "last", None)
+    if last is None or last[2] is not key:
+        return None
+    _HANDOFF.last = None
+    cache = last[0]()
+    return None if cache is None else (cache, last[1])
+
+
+@dataclasses.dataclass
+class _Stack:
+    """The buffers of the consecutive layers [first, first + Ld) that live on one device."""
+
+    device: torch.device
+    first: int
+    keys: torch.Tensor          # [Ld, B, Hkv, capacity, D]
+    values: torch.Tensor        # [Ld, B, Hkv, capacity, D]
+    positions: torch.Tensor     # int64 [Ld, B, capacity] or [Ld, B, 3, capacity]
+    inv_freq: torch.Tensor      # [D/2] on this device
+    delta: torch.Tensor | None = None   # int64 [Ld, b, T] / [Ld, b, 3, T] of the running forward
+
+
+@dataclasses.dataclass
+class _Forward:
+    """What one forward through the model writes: tokens [start, start + count) of the stream rows `rows`."""
+
+    start: int
+    count: int
+    rows: slice
+    read_only: bool
+    masks: dict = dataclasses.field(default_factory=dict)
+
+
+class _LayerView(CacheLayerMixin):
+    """Per-layer face of the stacked buffer, so transformers' generic `Cache` properties see L layers."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, cache: "HermesCache", layer: int):
+        super().__init__()
+        self._cache = weakref.proxy(cache)
+        self._layer = layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Nothing to do: the stack is allocated up front."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self._layer)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length, self._layer)
+
+    def get_seq_length(self) -> int:
+        return self._cache.length
+
+    def get_max_length(self) -> int:
+        return self._cache.capacity
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._cache.layer_keys(self._layer)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("HermesCache layers are views of the stacked buffer; write through update()")
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._cache.layer_values(self._layer)
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("HermesCache layers are views of the stacked buffer; write through update()")
+
+
+class HermesCache(Cache):
+    """Fixed-capacity KV cache with per-(layer, stream) positions and in-place HERMES compression.
+
+    Args:
+        cfg:            the HERMES policy (`cfg.num_layers` = L, `cfg.prefix_len`, `cfg.budget`, ...).
+        batch_size:     B streams advanced in lockstep.
+        num_kv_heads:   Hkv; head_dim: D (even).
+        capacity:       slots per layer: prefix + budget + the largest chunk + room for guidance prompts or a
+                        question and its answer. Must exceed prefix_len + budget.
+        dtype:          storage dtype of keys/values (the model's).
+        inv_freq:       [D/2] rotary inverse frequencies taken from the model's rotary module (§2.8).
+        mrope_section:  frequency pairs per M-RoPE axis (t, h, w) for Qwen2.5-VL; None for 1D RoPE.
+        layer_devices:  the device of every layer (default: inv_freq's device for all); consecutive layers on
+                        one device share a stack.
+    """
+
+    def __init__(self, cfg: HermesConfig, *, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+                 layer_devices: Sequence[torch.device | str] | None = None):
+        if not isinstance(cfg, HermesConfig):
+            raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
+        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("capacity", capacity)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim: rotary embeddings need an even head dim, got {head_dim}")
+        if capacity <= cfg.prefix_len + cfg.budget:
+            raise ValueError(f"capacity: {capacity} slots leave no room past prefix_len + budget = "
+                             f"{cfg.prefix_len + cfg.budget} for a chunk or a question")
+        if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,):
+            raise ValueError(f"inv_freq: expected a tensor of shape [D/2={head_dim // 2}], got "
+                             f"{getattr(inv_freq, 'shape', type(inv_freq).__name__)}")
+        if mrope_section is not None and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
+            raise ValueError(f"mrope_section: expected three pair counts summing to D/2={head_dim // 2}, "
+                             f"got {list(mrope_section)}")
+        devices = [torch.device(d) for d in (layer_devices or [inv_freq.device] * cfg.num_layers)]
+        if len(devices) != cfg.num_layers:
+            raise ValueError(f"layer_devices: expected one device per layer ({cfg.num_layers}), got {len(devices)}")
+
+        self.cfg = cfg
+        self.capacity = capacity
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.mrope_section = None if mrope_section is None else [int(s) for s in mrope_section]
+        self._batch_size = batch_size
+        self._stacks: list[_Stack] = []
+        self._stack_of_layer: list[tuple[_Stack, int]] = []
+        first = 0
+        while first < cfg.num_layers:
+            end = first
+            while end < cfg.num_layers and devices[end] == devices[first]:
+                end += 1
+            self._stacks.append(self._allocate(devices[first], first, end - first, inv_freq))
+            first = end
+        for stack in self._stacks:
+            self._stack_of_layer.extend((stack, local) for local in range(stack.keys.shape[0]))
+        # pooled guidance attention of the running step, written by the attention function (§2.3)
+        self.guidance_attn = torch.zeros(cfg.num_layers, batch_size, capacity, dtype=torch.float32,
+                                         device=self._stacks[0].device)
+        # a hermes.attention.GuidanceState while `hermes.guidance` runs a guidance pass, else None
+        self.guidance = None
+        self._length = 0
+        self._steps = 0
+        self._compactions = 0
+        self._context: dict | None = None
+        self._forward: _Forward | None = None
+        super().__init__(layers=[_LayerView(self, layer) for layer in range(cfg.num_layers)])
+
+    def _allocate(self, device: torch.device, first: int, count: int, inv_freq: torch.Tensor) -> _Stack:
+        kv_shape = (count, self._batch_size, self.num_kv_heads, self.capacity, self.head_dim)
+        pos_shape = (count, self._batch_size) + ((3,) if self.mrope_section else ()) + (self.capacity,)
+        return _Stack(device=device, first=first,
+                      keys=torch.zeros(kv_shape, dtype=self.dtype, device=device),
+                      values=torch.zeros(kv_shape, dtype=self.dtype, device=device),
+                      positions=torch.zeros(pos_shape, dtype=torch.int64, device=device),
+                      inv_freq=inv_freq.detach().to(device))
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """N: valid slots in every layer (prefix + visual tokens [+ question/answer while one is asked])."""
+        return self._length
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def mrope(self) -> bool:
+        return self.mrope_section is not None
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._length + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated buffers (keys, values, positions, guidance attention)."""
+        held = sum(t.numel() * t.element_size() for s in self._stacks for t in (s.keys, s.values, s.positions))
+        return held + self.guidance_attn.numel() * self.guidance_attn.element_size()
+
+    def data_ptrs(self) -> list[int]:
+        """Storage addresses of every buffer; they never change after construction."""
+        return [t.data_ptr() for s in self._stacks for t in (s.keys, s.values, s.positions)] + \
+            [self.guidance_attn.data_ptr()]
+
+    # ---- views ----------------------------------------------------------------------------------------
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """Valid keys of one layer, a view [B, Hkv, N, D] of the stack."""
+        stack, local = self._stack_of_layer[layer]
+        return stack.keys[local, :, :, :self._length]
+
+    def layer_values(self, layer: int) -> torch.Tensor:
+        """Valid values of one layer, a view [B, Hkv, N, D] of the stack."""
+        stack, local = self._stack_of_layer[layer]
+        return stack.values[local, :, :, :self._length]
+
+    def layer_positions(self, layer: int) -> torch.Tensor:
+        """Valid position ids of one layer, a view int64 [B, N] or [B, 3, N] (M-RoPE)."""
+        stack, local = self._stack_of_layer[layer]
+        return stack.positions[local, ..., :self._length]
+
+    def position_range(self) -> tuple[int, int]:
+        """(smallest, largest) valid position over all layers, streams and axes; (0, -1) when empty."""
+        if self._length == 0:
+            return 0, -1
+        lows = [s.positions[..., :self._length].min().item() for s in self._stacks]
+        highs = [s.positions[..., :self._length].max().item() for s in self._stacks]
+        return int(min(lows)), int(max(highs))
+
+    def default_position_ids(self, count: int, start: int | None = None) -> torch.Tensor:
+        """Positions the model is run with for `count` tokens from slot `start` (default: the length):
+        `start + i` on every axis, int64 [B, count] (1D) or [3, B, count] (M-RoPE). The attention function
+        rotates from these to the true per-layer positions."""
+        start = self._length if start is None else start
+        ids = torch.arange(start, start + count, device=self._stacks[0].device)
+        ids = ids.expand(self._batch_size, count)
+        return ids.expand(3, self._batch_size, count) if self.mrope else ids
+
+    # ---- writing ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self, rel_positions: torch.Tensor | None = None, *, read_only: bool = False,
+                        rows: slice | None = None) -> Iterator["HermesCache"]:
+        """Describe the next forward(s) through the model.
+
+        rel_positions: int64 [b, T] / [b, 3, T] (or without the batch dim) offsets of the incoming tokens from
+            each layer's next position (largest position + 1); None means text, 0, 1, ..., T-1 on every axis.
+        read_only:     attend over the cache plus the incoming tokens without keeping them (length unchanged).
+        rows:          a slice of the streams taking part (read-only forwards only); default all.
+        """
+        rows = slice(None) if rows is None else rows
+        if rows != slice(None) and not read_only:
+            raise ValueError("rows: a subset of streams may only run read-only forwards (lockstep lengths)")
+        if self._context is not None:
+            raise RuntimeError("HermesCache.forward_context: contexts do not nest")
+        self._context = {"rel_positions": rel_positions, "read_only": read_only, "rows": rows}
+        try:
+            yield self
+        finally:
+            self._context = None
+            self._forward = None
+            for stack in self._stacks:
+                stack.delta = None
+
+    def _begin_forward(self, key_states: torch.Tensor) -> _Forward:
+        context = self._context or {"rel_positions": None, "read_only": False, "rows": slice(None)}
+        rows = context["rows"]
+        rows_count = len(range(*rows.indices(self._batch_size)))
+        count = key_states.shape[-2]
+        expected = (rows_count, self.num_kv_heads, count, self.head_dim)
+        if tuple(key_states.shape) != expected:
+            raise ValueError(f"key_states: expected [b={rows_count}, Hkv={self.num_kv_heads}, T, D={self.head_dim}] "
+                             f"for this cache, got {tuple(key_states.shape)}")
+        if self._length + count > self.capacity:
+            raise ValueError(f"key_states: {count} incoming tokens do not fit: length {self._length} of capacity "
+                             f"{self.capacity}")
+        forward = _Forward(start=self._length, count=count, rows=rows, read_only=context["read_only"])
+        rel = context["rel_positions"]
+        for stack in self._stacks:
+            stack.delta = self._write_positions(stack, forward, rel)
+        return forward
+
+    def _write_positions(self, stack: _Stack, fwd: _Forward, rel: torch.Tensor | None) -> torch.Tensor:
+        """Write the incoming tokens' true positions into the stack; return true - default (§2.7)."""
+        device = stack.device
+        text = torch.arange(fwd.count, device=device)
+        if rel is None:
+            rel = text.expand(3, fwd.count) if self.mrope else text
+        rel = rel.to(device)
+        positions = stack.positions[:, fwd.rows]
+        if fwd.start == 0:
+            next_pos = torch.zeros(positions.shape[:2], dtype=torch.int64, device=device)
+        else:
+            used = positions[..., :fwd.start]
+            next_pos = (used.flatten(2).amax(dim=-1)) + 1  # largest position over axes and tokens, + 1
+        lead = (slice(None), slice(None)) + ((None,) if self.mrope else ()) + (None,)
+        new = next_pos[lead] + rel
+        positions[..., fwd.start:fwd.start + fwd.count] = new
+        return new - (fwd.start + text)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the incoming keys/values [b, Hkv, T, D] of layer `layer_idx` in place; return views
+        [b, Hkv, N + T, D] of the cache plus the new tokens (what the attention function attends over)."""
+        if layer_idx == 0:
+            self._forward = self._begin_forward(key_states)
+        fwd = self._forward
+        if fwd is None or key_states.shape[-2] != fwd.count:
+            raise RuntimeError(f"HermesCache.update: layer {layer_idx} updated outside a forward that began at "
+                               f"layer 0 with the same token count")
+        stack, local = self._stack_of_layer[layer_idx]
+        end = fwd.start + fwd.count
+        stack.keys[local, fwd.rows, :, fwd.start:end] = key_states
+        stack.values[local, fwd.rows, :, fwd.start:end] = value_states
+        keys = stack.keys[local, fwd.rows, :, :end]
+        values = stack.values[local, fwd.rows, :, :end]
+        _HANDOFF.last = (weakref.ref(self), layer_idx, keys)
+        if layer_idx == self.cfg.num_layers - 1 and not fwd.read_only:
+            self._length = end
+        return keys, values
+
+    def incoming_delta(self, layer: int) -> torch.Tensor:
+        """int64 [b, T] (or [b, 3, T]) rotation of the running forward's tokens in `layer`: true - default."""
+        stack, local = self._stack_of_layer[layer]
+        if stack.delta is None:
+            raise RuntimeError("HermesCache.incoming_delta: no forward is running")
+        return stack.delta[local]
+
+    def layer_inv_freq(self, layer: int) -> torch.Tensor:
+        """The model's rotary inverse frequencies [D/2] on `layer`'s device (§2.8)."""
+        return self._stack_of_layer[layer][0].inv_freq
+
+    def forward_rows(self) -> slice:
+        """Streams taking part in the running forward."""
+        return self._forward.rows
+
+    def forward_mask(self, key: str, device: torch.device, build) -> torch.Tensor:
+        """A mask memoised for the running forward (`build()` is called once per key and device)."""
+        slot = (key, str(device))
+        if slot not in self._forward.masks:
+            self._forward.masks[slot] = build()
+        return self._forward.masks[slot]
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (e.g. a question and its answer); storage is untouched."""
+        if not isinstance(length, int) or not 0 <= length <= self._length:
+            raise ValueError(f"length: expected an int in [0, {self._length}], got {length!r}")
+        self._length = length
+
+    def crop(self, max_length: int) -> None:
+        """transformers' crop: keep `max_length` slots (negative: drop that many from the end)."""
+        self.truncate(self._length + max_length if max_length < 0 else min(max_length, self._length))
+
+    def reset(self) -> None:
+        """Empty the cache (length 0, step counters 0); the buffers stay allocated."""
+        self._length = 0
+        self._steps = 0
+        self._compactions = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("HermesCache: streams are fixed in lockstep; beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("HermesCache: the batch of streams is fixed at construction")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("HermesCache: the batch of streams is fixed at construction")
+
+    # ---- compression ------------------------------------------------------------------------------------
+    def compress(self, attn: torch.Tensor, backend: str = "auto") -> CompressResult:
+        """One HERMES step over the valid slots, in place (`hermes_kernels.compress_step`, DESIGN.md §2).
+
+        attn: float32 [L, B, V], V = length - prefix_len, pooled guidance attention (e.g. `guidance_attn`).
+        Afterwards the length is prefix_len + min(budget, V) in every layer. Inputs are validated before
+        anything is written; a failed call leaves the cache unchanged.
+        """
+        if len(self._stacks) > 1:
+            raise NotImplementedError("HermesCache.compress: layers split over several devices need a compaction "
+                                      "entry point that takes a layer range (hermes_kernels.compact)")
+        if self._length <= self.cfg.prefix_len:
+            raise ValueError(f"attn: the cache holds no visual token (length {self._length}, prefix_len "
+                             f"{self.cfg.prefix_len})")
+        stack = self._stacks[0]
+        n = self._length
+        result = hk.compress_step(stack.keys[:, :, :, :n], stack.values[:, :, :, :n], stack.positions[..., :n],
+                                  attn, self.cfg, stack.inv_freq, self.mrope_section, backend=backend)
+        self._length = result.length
+        self._steps += 1
+        self._compactions += int(result.compacted)
+        return result
+
+    def stats(self) -> dict:
+        """length, capacity, positions (smallest, largest), steps, compactions, bytes_allocated."""
+        return {"length": self._length, "capacity": self.capacity, "positions": self.position_range(),
+                "steps": self._steps, "compactions": self._compactions, "bytes_allocated": self.nbytes()}

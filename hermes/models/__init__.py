@@ -1,0 +1,90 @@
+"""What differs per model family: token layout of a video chunk, positions, prompts, preset (DESIGN.md §3).
+
+A family turns a chunk of video into language-model input embeddings plus the positions of those tokens
+relative to where the chunk starts, names the language model and its rotary module, wraps questions in the
+model's chat format and picks the HERMES preset. `family_of(model)` finds the family from
+`model.config.model_type`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hermes.config import HermesConfig
+
+
+@dataclasses.dataclass
+class VideoChunk:
+    """One encoded chunk for B streams.
+
+    embeds:        [B, T, hidden] language-model input embeddings (the model's dtype and device).
+    rel_positions: int64 [3, T] M-RoPE offsets (t, h, w) from the chunk's start position, or None for 1D
+                   RoPE (0, 1, ..., T-1).
+    """
+
+    embeds: torch.Tensor
+    rel_positions: torch.Tensor | None
+
+
+class ModelFamily:
+    """Interface of a supported family (one subclass per file in this package)."""
+
+    model_types: tuple[str, ...] = ()
+    system_prompt = "You are a helpful assistant."
+
+    def preset(self, num_layers: int, budget: int, prefix_len: int, max_positions: int, **overrides) -> HermesConfig:
+        raise NotImplementedError
+
+    def language_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The decoder stack the cache and attention patch apply to."""
+        return model.model.language_model
+
+    def rotary(self, model: torch.nn.Module) -> tuple[torch.Tensor, list[int] | None]:
+        """(inv_freq [D/2] taken from the model's rotary module — never recomputed, §2.8, mrope_section)."""
+        raise NotImplementedError
+
+    def tokens_per_chunk(self, model: torch.nn.Module, frames: int, frame_size: tuple[int, int] | None) -> int:
+        """Visual tokens a chunk of `frames` frames yields (sizes the cache)."""
+        raise NotImplementedError
+
+    def encode_video(self, model, processor, video, batch_size: int, **kwargs) -> VideoChunk:
+        """Validate and encode one chunk (frames through `processor`, or model-ready pixel values)."""
+        raise NotImplementedError
+
+    def prefix_text(self, system_prompt: str | None) -> str:
+        """Chat-format text in front of the video (the never-evicted prefix)."""
+        raise NotImplementedError
+
+    def question_text(self, question: str) -> str:
+        """Chat-format text after the video, ending where the answer starts."""
+        raise NotImplementedError
+
+    def text_kwargs(self, input_ids: torch.Tensor) -> dict:
+        """Extra keyword arguments a text-only forward/generate of the full model needs."""
+        return {}
+
+
+def family_of(model: torch.nn.Module) -> ModelFamily:
+    """The family of a loaded model; ValueError for a model type that is not supported."""
+    from .llava_ov import LlavaOneVision  # the family modules import ModelFamily from here
+    from .qwen2_5_vl import Qwen2_5_VL
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for family in (LlavaOneVision(), Qwen2_5_VL()):
+        if model_type in family.model_types:
+            return family
+    raise ValueError(f"model: model type {model_type!r} is not supported; supported: llava_onevision, qwen2_5_vl")
+
+
+def check_pixels(name: str, video, expected: str) -> torch.Tensor:
+    """A floating tensor of model-ready pixel values, else TypeError naming the argument."""
+    if not isinstance(video, torch.Tensor) or not video.is_floating_point():
+        raise TypeError(f"{name}: expected floating pixel values {expected} (or raw frames with a processor), "
+                        f"got {type(video).__name__}")
+    if not bool(torch.isfinite(video).all()):
+        raise ValueError(f"{name}: pixel values contain non-finite entries")
+    return video
+
+
+__all__ = ["ModelFamily", "VideoChunk", "family_of", "check_pixels"]

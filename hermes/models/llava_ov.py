@@ -1,0 +1,66 @@
+"""LLaVA-OneVision (Qwen2 language model, 1D RoPE).
+
+A frame goes through the vision tower, the projector and 2x2 bilinear pooling: ceil(h/2) * ceil(w/2) tokens
+for an h x w patch grid (196 for the 7B model's 384 px / 14 px patches). `get_video_features` appends one
+`image_newline` token after the whole video; a stream has no end, so the chunks carry no newline token.
+Positions are 1D and run on from each layer's last position (§2.7).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hermes.config import HermesConfig
+
+from . import ModelFamily, VideoChunk, check_pixels
+
+
+class LlavaOneVision(ModelFamily):
+    model_types = ("llava_onevision",)
+
+    def preset(self, num_layers, budget, prefix_len, max_positions, **overrides) -> HermesConfig:
+        return HermesConfig.llava_ov(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
+
+    def rotary(self, model):
+        return self.language_model(model).rotary_emb.inv_freq, None
+
+    def tokens_per_frame(self, model) -> int:
+        vision = model.config.vision_config
+        side = vision.image_size // vision.patch_size
+        return math.ceil(side / 2) ** 2
+
+    def tokens_per_chunk(self, model, frames, frame_size=None) -> int:
+        return frames * self.tokens_per_frame(model)
+
+    def encode_video(self, model, processor, video, batch_size, **kwargs) -> VideoChunk:
+        """video: pixel values [B, F, C, S, S] (or [F, C, S, S] for one stream), S = vision image_size; or raw
+        frames (one clip per stream) for `processor.video_processor`. Returns [B, F * tokens_per_frame, hidden]."""
+        if kwargs:
+            raise TypeError(f"append_video: unexpected arguments for LLaVA-OneVision: {sorted(kwargs)}")
+        if not isinstance(video, torch.Tensor) and processor is not None:
+            video = processor.video_processor(video, return_tensors="pt")["pixel_values_videos"]
+        vision = model.config.vision_config
+        side = vision.image_size
+        expected = f"[B={batch_size}, F, C={vision.num_channels}, {side}, {side}]"
+        video = check_pixels("video", video, expected)
+        if video.dim() == 4 and batch_size == 1:
+            video = video.unsqueeze(0)
+        if video.dim() != 5 or video.shape[0] != batch_size or video.shape[1] < 1 or \
+                tuple(video.shape[2:]) != (vision.num_channels, side, side):
+            raise ValueError(f"video: expected pixel values {expected}, got {tuple(video.shape)}")
+        tower = model.model.vision_tower
+        features = model.model.get_video_features(
+            video.to(device=tower.device, dtype=tower.dtype),
+            vision_feature_layer=model.config.vision_feature_layer,
+            vision_feature_select_strategy=model.config.vision_feature_select_strategy).pooler_output
+        lm = self.language_model(model)
+        embeds = features[:, :-1].to(device=lm.embed_tokens.weight.device, dtype=lm.embed_tokens.weight.dtype)
+        return VideoChunk(embeds=embeds, rel_positions=None)
+
+    def prefix_text(self, system_prompt):
+        prompt = self.system_prompt if system_prompt is None else system_prompt
+        return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n"
+
+    def question_text(self, question):
+        return f"\n{question}<|im_end|>\n<|im_start|>assistant\n"

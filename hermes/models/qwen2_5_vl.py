@@ -1,0 +1,112 @@
+"""Qwen2.5-VL (M-RoPE: every position is a (t, h, w) triple, DESIGN.md §2.7).
+
+A chunk of F frames becomes a grid of (F / temporal_patch_size) x (H / patch) x (W / patch) patches, merged
+2x2 by the vision tower into grid_t x (H / patch / merge) x (W / patch / merge) tokens, ordered t-major.
+We build the positions ourselves instead of using transformers' `get_rope_index` (whose 5.x version places
+text after a video below the video's temporal positions): a video token's offsets from the chunk start are
+t = floor(grid index * tokens_per_second * seconds_per_grid), h = merged row, w = merged column; text
+tokens use i on all three axes; every chunk and every text segment starts at the layer's largest position
++ 1 over all axes. Forwards of the full model always get `position_ids` and `mm_token_type_ids`, so the
+model never falls back to 1D positions.
+"""
+from __future__ import annotations
+
+import torch
+
+from hermes.config import HermesConfig
+
+from . import ModelFamily, VideoChunk, check_pixels
+
+
+def video_rel_positions(grid_thw: tuple[int, int, int], spatial_merge_size: int, time_interval: float,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 [3, t * h' * w'] (t, h, w) offsets of a video's merged tokens from its start position.
+
+    grid_thw: the patch grid (t, h, w) before spatial merging; h' = h / merge, w' = w / merge.
+    time_interval: tokens_per_second * seconds per temporal grid step (the t axis follows the frame time).
+    """
+    grid_t, grid_h, grid_w = (int(x) for x in grid_thw)
+    t = (torch.arange(grid_t, device=device) * time_interval).long()
+    h = torch.arange(grid_h // spatial_merge_size, device=device)
+    w = torch.arange(grid_w // spatial_merge_size, device=device)
+    tt, hh, ww = torch.meshgrid(t, h, w, indexing="ij")
+    return torch.stack([tt, hh, ww]).reshape(3, -1)
+
+
+class Qwen2_5_VL(ModelFamily):
+    model_types = ("qwen2_5_vl",)
+
+    def preset(self, num_layers, budget, prefix_len, max_positions, **overrides) -> HermesConfig:
+        return HermesConfig.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
+
+    def rotary(self, model):
+        rotary = self.language_model(model).rotary_emb
+        return rotary.inv_freq, [int(s) for s in rotary.mrope_section]
+
+    def tokens_per_chunk(self, model, frames, frame_size=None) -> int:
+        if frame_size is None:
+            raise ValueError("frame_size: Qwen2.5-VL's token count depends on the frame size; pass "
+                             "frame_size=(height, width) of the processed frames or chunk_tokens")
+        vision = model.config.vision_config
+        side = vision.patch_size * vision.spatial_merge_size
+        grid_t = -(-frames // vision.temporal_patch_size)
+        return grid_t * (frame_size[0] // side) * (frame_size[1] // side)
+
+    def encode_video(self, model, processor, video, batch_size, grid_thw=None, seconds_per_grid: float = 1.0,
+                     **kwargs) -> VideoChunk:
+        """video: flattened patches [B * t * h * w, C * temporal_patch * patch^2] with `grid_thw` (t, h, w)
+        (one row per stream, all equal, or one row for all), as Qwen's video processor returns them; or raw
+        frames (one clip per stream) for `processor.video_processor`. seconds_per_grid: seconds covered by one
+        temporal grid step (temporal_patch_size / fps)."""
+        if kwargs:
+            raise TypeError(f"append_video: unexpected arguments for Qwen2.5-VL: {sorted(kwargs)}")
+        if not isinstance(video, torch.Tensor) and processor is not None:
+            processed = processor.video_processor(video, return_tensors="pt")
+            video, grid_thw = processed["pixel_values_videos"], processed["video_grid_thw"]
+        vision = model.config.vision_config
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        video = check_pixels("video", video, f"[B * t * h * w, {patch_dim}] with grid_thw")
+        grid = self._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
+        per_stream = grid[0] * grid[1] * grid[2]
+        if video.dim() != 2 or tuple(video.shape) != (batch_size * per_stream, patch_dim):
+            raise ValueError(f"video: expected flattened patches [B*t*h*w={batch_size * per_stream}, {patch_dim}] "
+                             f"for grid_thw {list(grid)} and B={batch_size}, got {tuple(video.shape)}")
+        if not (isinstance(seconds_per_grid, (int, float)) and seconds_per_grid > 0):
+            raise ValueError(f"seconds_per_grid: expected a positive number, got {seconds_per_grid!r}")
+        visual = model.model.visual
+        grids = torch.tensor([grid] * batch_size, device=visual.device)
+        features = model.model.get_video_features(video.to(device=visual.device, dtype=visual.dtype), grids)
+        lm = self.language_model(model)
+        embeds = torch.stack(features.pooler_output).to(device=lm.embed_tokens.weight.device,
+                                                        dtype=lm.embed_tokens.weight.dtype)
+        interval = vision.tokens_per_second * seconds_per_grid
+        rel = video_rel_positions(grid, vision.spatial_merge_size, interval, device=embeds.device)
+        return VideoChunk(embeds=embeds, rel_positions=rel)
+
+    @staticmethod
+    def _check_grid(grid_thw, batch_size: int, merge: int) -> tuple[int, int, int]:
+        if grid_thw is None:
+            raise ValueError("grid_thw: Qwen2.5-VL pixel values need their (t, h, w) patch grid")
+        grid = torch.as_tensor(grid_thw)
+        if grid.dim() == 1:
+            grid = grid.unsqueeze(0)
+        if grid.dim() != 2 or grid.shape[1] != 3 or grid.shape[0] not in (1, batch_size) or grid.is_floating_point():
+            raise ValueError(f"grid_thw: expected int [3] or [B={batch_size}, 3], got {tuple(grid.shape)}")
+        if not bool((grid == grid[0]).all()):
+            raise ValueError(f"grid_thw: streams in lockstep need the same grid, got {grid.tolist()}")
+        t, h, w = (int(x) for x in grid[0])
+        if t < 1 or h < merge or w < merge or h % merge or w % merge:
+            raise ValueError(f"grid_thw: expected t >= 1 and h, w positive multiples of spatial_merge_size={merge}, "
+                             f"got {[t, h, w]}")
+        return t, h, w
+
+    def prefix_text(self, system_prompt):
+        prompt = self.system_prompt if system_prompt is None else system_prompt
+        return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+
+    def question_text(self, question):
+        return f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+
+    def text_kwargs(self, input_ids):
+        # text only: without mm_token_type_ids the model silently drops to 1D positions
+        return {"mm_token_type_ids": torch.zeros_like(input_ids, dtype=torch.int32)}

@@ -1,0 +1,268 @@
+"""HermesCache (buffer, positions, modes, compression), the attention patch's plain path, and the guidance plan.
+
+The cache is driven here the way a model drives it: `update` once per layer, in layer order, with the
+keys/values of the incoming tokens. Compression is compared with `hermes.reference.compress_step` run on
+contiguous copies of the same data.
+"""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hermes import HermesConfig
+from hermes import reference as ref
+from hermes.attention import HERMES_ATTENTION, patch_model
+from hermes.cache import HermesCache, claim_update
+from hermes.guidance import GLOBAL, LOCAL, GuidancePlan, guidance_prompts
+from tests.stream_checks import single_thread  # noqa: F401 (autouse fixture)
+from tests.tiny_models import tiny_llava_ov
+from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, poison_
+
+SECTION = [2, 3, 3]
+
+
+def make_cache(L=4, B=2, Hkv=2, D=16, P=3, budget=10, capacity=40, dtype=torch.float32, mrope=False,
+               reindex="eager", preset="llava_ov", **overrides):
+    cfg = getattr(HermesConfig, preset)(L, budget, P, max_positions=4096, reindex=reindex, margin=64, **overrides)
+    cache = HermesCache(cfg, batch_size=B, num_kv_heads=Hkv, head_dim=D, capacity=capacity, dtype=dtype,
+                        inv_freq=inv_freq_for(D, 1e4), mrope_section=SECTION if mrope else None)
+    for stack in cache._stacks:  # whatever is read before being written shows up as NaN
+        poison_(stack.keys)
+        poison_(stack.values)
+    return cache
+
+
+def feed(cache, count, g, rel=None, read_only=False, rows=None):
+    """One forward's worth of updates; returns the incoming keys/values per layer and the returned views."""
+    b = cache.batch_size if rows is None else len(range(*rows.indices(cache.batch_size)))
+    shape = (b, cache.num_kv_heads, count, cache.head_dim)
+    sent, views = [], []
+    with cache.forward_context(rel, read_only=read_only, rows=rows):
+        for layer in range(cache.num_layers):
+            k = torch.randn(shape, generator=g).to(cache.dtype)
+            v = torch.randn(shape, generator=g).to(cache.dtype)
+            sent.append((k, v))
+            views.append(cache.update(k, v, layer) + (cache.incoming_delta(layer).clone(),))
+    return sent, views
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_update_writes_in_place_and_returns_views(mrope, dtype):
+    g = torch.Generator().manual_seed(0)
+    cache = make_cache(dtype=dtype, mrope=mrope)
+    ptrs = cache.data_ptrs()
+    feed(cache, 5, g)
+    assert cache.length == 5
+    feed(cache, 7, g)
+    _, views = feed(cache, 7, g)
+    assert cache.length == 19
+    for layer, (keys, values, delta) in enumerate(views):
+        assert keys.shape == (2, 2, 19, 16)
+        assert keys.untyped_storage().data_ptr() == cache._stacks[0].keys.untyped_storage().data_ptr()
+        assert torch.equal(keys, cache.layer_keys(layer)) and torch.equal(values, cache.layer_values(layer))
+        assert torch.isfinite(cache.layer_keys(layer)).all()
+        # text continues from the last position; the model's defaults are already right, so delta is 0
+        positions = cache.layer_positions(layer)
+        expected = torch.arange(19).expand(2, 3, 19) if mrope else torch.arange(19).expand(2, 19)
+        assert torch.equal(positions, expected)
+        assert not delta.any()
+    assert cache.data_ptrs() == ptrs
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
+def test_positions_continue_per_layer_after_compression(mrope):
+    """After a lazy step layers hold different positions; new tokens start at each layer's max + 1 and the
+    delta against the default positions (length + i) is reported per layer and stream."""
+    g = torch.Generator().manual_seed(1)
+    cache = make_cache(mrope=mrope, reindex="lazy")
+    feed(cache, 3, g)
+    rel = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]]) if mrope else None
+    for _ in range(4):
+        feed(cache, 6, g, rel=rel)
+    cache.compress(distinct_attention(4, 2, cache.length - 3, g))
+    assert cache.length == 13
+    before = [cache.layer_positions(l).clone() for l in range(4)]
+    assert any(not torch.equal(before[0], p) for p in before[1:]), "deep layers carry summary positions"
+    _, views = feed(cache, 6, g, rel=rel)
+    for layer in range(4):
+        start = before[layer].flatten(1).amax(dim=1) + 1  # [B]
+        new = cache.layer_positions(layer)[..., 13:]
+        expected = start[:, None, None] + rel if mrope else start[:, None] + torch.arange(6)
+        assert torch.equal(new, expected)
+        assert torch.equal(views[layer][2], expected - (13 + torch.arange(6)))
+
+
+def test_read_only_forward_leaves_the_length():
+    g = torch.Generator().manual_seed(2)
+    cache = make_cache()
+    feed(cache, 8, g)
+    kept = [cache.layer_keys(l).clone() for l in range(4)]
+    sent, views = feed(cache, 4, g, read_only=True)
+    assert cache.length == 8
+    for layer in range(4):
+        assert views[layer][0].shape[2] == 12
+        assert torch.equal(views[layer][0][:, :, 8:], sent[layer][0])
+        assert torch.equal(cache.layer_keys(layer), kept[layer])
+    sent, views = feed(cache, 4, g, read_only=True, rows=slice(1, 2))
+    assert views[0][0].shape == (1, 2, 12, 16) and torch.equal(views[0][0][:, :, 8:], sent[0][0])
+    with pytest.raises(ValueError, match="rows"):
+        feed(cache, 4, g, rows=slice(1, 2))
+
+
+def test_overflow_and_bad_shapes_raise_before_writing():
+    g = torch.Generator().manual_seed(3)
+    cache = make_cache(capacity=20)
+    feed(cache, 18, g)
+    snapshot = cache._stacks[0].keys.clone()
+    with pytest.raises(ValueError, match="do not fit"):
+        feed(cache, 3, g)
+    with pytest.raises(ValueError, match="key_states"):
+        with cache.forward_context():
+            cache.update(torch.zeros(2, 3, 1, 16), torch.zeros(2, 3, 1, 16), 0)
+    assert cache.length == 18
+    assert torch.equal(cache._stacks[0].keys.nan_to_num(7.0), snapshot.nan_to_num(7.0))
+
+
+def test_truncate_crop_reset():
+    g = torch.Generator().manual_seed(4)
+    cache = make_cache()
+    feed(cache, 10, g)
+    cache.truncate(6)
+    assert cache.length == 6 and cache.get_seq_length() == 6
+    cache.crop(-2)
+    assert cache.length == 4
+    with pytest.raises(ValueError, match="length"):
+        cache.truncate(5)
+    ptrs = cache.data_ptrs()
+    cache.reset()
+    assert cache.length == 0 and cache.stats()["steps"] == 0 and cache.data_ptrs() == ptrs
+
+
+@pytest.mark.parametrize("mrope,reindex,dtype,B,P", [
+    (False, "eager", torch.float32, 2, 3), (False, "lazy", torch.float16, 1, 0),
+    (True, "eager", torch.float32, 2, 5), (True, "lazy", torch.bfloat16, 3, 3)])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compress_matches_reference_on_the_buffer_views(mrope, reindex, dtype, B, P, backend):
+    """`HermesCache.compress` hands strided views of its buffer to hermes_kernels.compress_step (both
+    backends; Triton through the interpreter on CPU): the result equals the reference step on contiguous
+    copies, slots past the new length are untouched, storage stays."""
+    g = torch.Generator().manual_seed(5)
+    cache = make_cache(B=B, P=P, dtype=dtype, mrope=mrope, reindex=reindex, preset="qwen2_5_vl")
+    feed(cache, P, g)
+    rel = torch.tensor([[0, 0, 2, 2], [0, 1, 0, 1], [0, 1, 0, 1]]) if mrope else None
+    for _ in range(5):
+        feed(cache, 4, g, rel=rel)
+    N = cache.length
+    stack = cache._stacks[0]
+    keys, values = stack.keys[..., :N, :].clone(), stack.values[..., :N, :].clone()
+    positions = stack.positions[..., :N].clone()
+    tail = stack.keys[..., N:, :].clone()
+    attn = distinct_attention(4, B, N - P, g)
+    ptrs = cache.data_ptrs()
+    expected = ref.compress_step(keys, values, positions, attn, cache.cfg, stack.inv_freq,
+                                 SECTION if mrope else None)
+    result = cache.compress(attn, backend=backend)
+    assert result.length == expected.length == cache.length == P + 10
+    assert torch.equal(result.keep, expected.keep)
+    n = result.length
+    atol, rtol = TOL[dtype]
+    assert_close_verbose(stack.keys[..., :n, :], keys[..., :n, :], atol, rtol, "keys")
+    assert_close_verbose(stack.values[..., :n, :], values[..., :n, :], atol, rtol, "values")
+    assert torch.equal(stack.positions[..., :n], positions[..., :n])
+    assert torch.equal(stack.keys[..., N:, :].nan_to_num(7.0), tail.nan_to_num(7.0))
+    assert cache.data_ptrs() == ptrs and cache.stats()["steps"] == 1
+
+
+def test_compress_rejects_bad_attention_without_writing():
+    g = torch.Generator().manual_seed(6)
+    cache = make_cache()
+    for _ in range(4):
+        feed(cache, 5, g)
+    before = (cache._stacks[0].keys.clone(), cache._stacks[0].positions.clone(), cache.length)
+    bad = distinct_attention(4, 2, cache.length - 3, g)
+    bad[1, 0, 2] = float("nan")
+    for attn, match in ((bad, "non-finite"), (distinct_attention(4, 2, 5, g), "attn")):
+        with pytest.raises(ValueError, match=match):
+            cache.compress(attn)
+    assert torch.equal(cache._stacks[0].keys.nan_to_num(7.0), before[0].nan_to_num(7.0))
+    assert torch.equal(cache._stacks[0].positions, before[1]) and cache.length == before[2]
+
+
+def test_construction_errors():
+    cfg = HermesConfig.llava_ov(4, 10, 3)
+    args = dict(batch_size=1, num_kv_heads=2, head_dim=16, capacity=40, dtype=torch.float32,
+                inv_freq=inv_freq_for(16))
+    for change, match in (({"capacity": 13}, "capacity"), ({"head_dim": 15}, "head_dim"),
+                          ({"inv_freq": inv_freq_for(8)}, "inv_freq"), ({"mrope_section": [2, 2, 2]}, "mrope"),
+                          ({"layer_devices": ["cpu"] * 3}, "layer_devices"), ({"batch_size": 0}, "batch_size")):
+        with pytest.raises(ValueError, match=match):
+            HermesCache(cfg, **{**args, **change})
+    with pytest.raises(TypeError, match="cfg"):
+        HermesCache(None, **args)
+
+
+def test_layers_on_two_devices_get_two_stacks():
+    cfg = HermesConfig.llava_ov(4, 10, 3)
+    cache = HermesCache(cfg, batch_size=1, num_kv_heads=2, head_dim=16, capacity=40, dtype=torch.float32,
+                        inv_freq=inv_freq_for(16), layer_devices=["cpu", "cpu", "meta", "meta"])
+    assert [(s.device.type, s.first, s.keys.shape[0]) for s in cache._stacks] == [("cpu", 0, 2), ("meta", 2, 2)]
+    assert len(cache) == 4 and cache.get_max_length() == 40
+
+
+def test_claim_update_is_tied_to_the_returned_tensor():
+    g = torch.Generator().manual_seed(7)
+    cache = make_cache()
+    with cache.forward_context():
+        keys, _ = cache.update(torch.randn(2, 2, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g), 0)
+        assert claim_update(keys.clone()) is None
+        assert claim_update(keys) == (cache, 0)
+        assert claim_update(keys) is None  # consumed once
+
+
+@pytest.mark.parametrize("split", [1, 5])
+def test_patched_attention_without_hermes_cache_is_the_models_own(split):
+    """With no HermesCache the registered function is plain causal attention: prefill in two pieces over a
+    DynamicCache (queries after cached keys, bottom-right causality) equals the unpatched one-shot forward."""
+    model = tiny_llava_ov(seed=3)
+    lm = model.model.language_model
+    ids = torch.randint(0, 60, (2, 11), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = lm(input_ids=ids).last_hidden_state
+        patch_model(model)
+        assert model.config.text_config._attn_implementation == HERMES_ATTENTION
+        assert model.config.vision_config._attn_implementation != HERMES_ATTENTION
+        cache = DynamicCache()
+        first = lm(input_ids=ids[:, :split], cache=cache, use_cache=True).last_hidden_state
+        second = lm(input_ids=ids[:, split:], cache=cache, use_cache=True).last_hidden_state
+    assert_close_verbose(torch.cat([first, second], dim=1), expected, name="hidden states")
+
+
+def test_guidance_prompts_are_appendix_b():
+    assert LOCAL == ("Describe the current scene in detail, focusing on specific objects, fine-grained actions, "
+                     "and spatial relationships.")
+    assert GLOBAL == ("Summarize the video narrative, identifying main characters, key events, timeline changes, "
+                      "and the overall theme.")
+    plain = guidance_prompts()
+    assert plain == {"local": LOCAL, "global": GLOBAL, "mixed": LOCAL + "; " + GLOBAL}
+    told = guidance_prompts("Q? A.")
+    assert told["local"] == "Find recent details related to: Q? A.. " + LOCAL
+    assert told["global"] == "Context summary: Q? A.. " + GLOBAL
+    assert told["mixed"] == told["local"] + "; " + told["global"]
+
+
+@pytest.mark.parametrize("preset,L,skipped", [("llava_ov", 28, [0, 1, 2]), ("qwen2_5_vl", 28, [0, 1]),
+                                               ("qwen2_5_vl", 4, [])])
+def test_guidance_plan_skips_layers_that_ignore_attention(preset, L, skipped):
+    """Layers with ω = 1 (shallow; LLaVA-OV's first mid layer) need no prompt; the local prompt never runs
+    with the presets; mid layers read the mixed prompt and deep layers the global one."""
+    cfg = getattr(HermesConfig, preset)(L, 100, 5)
+    plan = GuidancePlan.from_config(cfg)
+    assert [l for l, kind in enumerate(plan.kind_of_layer) if kind is None] == skipped
+    assert plan.kinds == ("mixed", "global")
+    for layer, kind in enumerate(plan.kind_of_layer):
+        if kind is not None:
+            assert kind == {1: "mixed", 2: "global"}[int(cfg.role[layer])]
+    every = GuidancePlan.from_config(cfg, range(L))
+    assert every.kinds == (("local",) if cfg.shallow_end else ()) + ("mixed", "global")
+    with pytest.raises(ValueError, match="layers"):
+        GuidancePlan.from_config(cfg, [L])
