@@ -2,9 +2,11 @@
 
 Every layer holds the same number of tokens (§2.6), so keys and values live in one stacked tensor
 `[L, B, Hkv, capacity, D]` per device (a model split with `device_map` keeps one stack per device, each
-holding its consecutive layers). The buffers are allocated once and never reallocated: appending writes
-into free slots, compression (`hermes_kernels.compress_step`) rewrites the first slots in place, and
-truncation only moves the length back. Memory is flat for any stream length.
+holding its consecutive layers; `stack_bounds` can split further, e.g. to exercise the split layout on one
+device). The buffers are allocated once and never reallocated: appending writes into free slots, compression
+(`hermes_kernels.compress_stacks`: one score/selection pass and one re-index decision for all layers, then each
+stack compacted on its own device) rewrites the first slots in place, and truncation only moves the length back.
+Memory is flat for any stream length.
 
 Positions: each (layer, stream) keeps its own position ids, int64 `[L, B, capacity]` (1D RoPE) or
 `[L, B, 3, capacity]` (M-RoPE t/h/w), because compression leaves gaps and deep layers carry summary
@@ -135,11 +137,14 @@ class HermesCache(Cache):
         mrope_section:  frequency pairs per M-RoPE axis (t, h, w) for Qwen2.5-VL; None for 1D RoPE.
         layer_devices:  the device of every layer (default: inv_freq's device for all); consecutive layers on
                         one device share a stack.
+        stack_bounds:   layers at which a new stack starts even though the device does not change (ascending,
+                        inside (0, L)); e.g. [2] with 4 layers on one device gives stacks [0, 2) and [2, 4). The
+                        results are the same as with one stack; this lays out a `device_map` split on one device.
     """
 
     def __init__(self, cfg: HermesConfig, *, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
-                 layer_devices: Sequence[torch.device | str] | None = None):
+                 layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
         if not isinstance(cfg, HermesConfig):
             raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -160,6 +165,11 @@ class HermesCache(Cache):
         devices = [torch.device(d) for d in (layer_devices or [inv_freq.device] * cfg.num_layers)]
         if len(devices) != cfg.num_layers:
             raise ValueError(f"layer_devices: expected one device per layer ({cfg.num_layers}), got {len(devices)}")
+        bounds = list(stack_bounds)
+        if any(not isinstance(b, int) or isinstance(b, bool) for b in bounds) or bounds != sorted(set(bounds)) or \
+                any(not 0 < b < cfg.num_layers for b in bounds):
+            raise ValueError(f"stack_bounds: expected ascending distinct layer indices inside (0, L={cfg.num_layers}), "
+                             f"got {bounds}")
 
         self.cfg = cfg
         self.capacity = capacity
@@ -172,8 +182,8 @@ class HermesCache(Cache):
         self._stack_of_layer: list[tuple[_Stack, int]] = []
         first = 0
         while first < cfg.num_layers:
-            end = first
-            while end < cfg.num_layers and devices[end] == devices[first]:
+            end = first + 1
+            while end < cfg.num_layers and devices[end] == devices[first] and end not in bounds:
                 end += 1
             self._stacks.append(self._allocate(devices[first], first, end - first, inv_freq))
             first = end
@@ -405,22 +415,20 @@ class HermesCache(Cache):
 
     # ---- compression ------------------------------------------------------------------------------------
     def compress(self, attn: torch.Tensor, backend: str = "auto") -> CompressResult:
-        """One HERMES step over the valid slots, in place (`hermes_kernels.compress_step`, DESIGN.md §2).
+        """One HERMES step over the valid slots of every stack, in place (`hermes_kernels.compress_stacks`,
+        DESIGN.md §2; one stack takes the same fused path as `compress_step`).
 
-        attn: float32 [L, B, V], V = length - prefix_len, pooled guidance attention (e.g. `guidance_attn`).
-        Afterwards the length is prefix_len + min(budget, V) in every layer. Inputs are validated before
-        anything is written; a failed call leaves the cache unchanged.
+        attn: float32 [L, B, V], V = length - prefix_len, pooled guidance attention (e.g. `guidance_attn`), on any
+        device. Afterwards the length is prefix_len + min(budget, V) in every layer. Inputs are validated before
+        anything is written; a failed call leaves every stack unchanged.
         """
-        if len(self._stacks) > 1:
-            raise NotImplementedError("HermesCache.compress: layers split over several devices need a compaction "
-                                      "entry point that takes a layer range (hermes_kernels.compact)")
         if self._length <= self.cfg.prefix_len:
             raise ValueError(f"attn: the cache holds no visual token (length {self._length}, prefix_len "
                              f"{self.cfg.prefix_len})")
-        stack = self._stacks[0]
         n = self._length
-        result = hk.compress_step(stack.keys[:, :, :, :n], stack.values[:, :, :, :n], stack.positions[..., :n],
-                                  attn, self.cfg, stack.inv_freq, self.mrope_section, backend=backend)
+        stacks = [(range(s.first, s.first + s.keys.shape[0]), s.keys[:, :, :, :n], s.values[:, :, :, :n],
+                   s.positions[..., :n], s.inv_freq) for s in self._stacks]
+        result = hk.compress_stacks(stacks, attn, self.cfg, self.mrope_section, backend=backend)
         self._length = result.length
         self._steps += 1
         self._compactions += int(result.compacted)

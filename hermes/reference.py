@@ -15,7 +15,8 @@ import torch
 
 from .config import DEEP, HermesConfig
 from .rope import apply_rotary_delta, compact_positions
-from .validation import check_attn, check_cache, check_compress, check_keep, check_pooled_attention, check_scores
+from .validation import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep, check_layers,
+                         check_pooled_attention, check_scores)
 
 
 @dataclasses.dataclass
@@ -25,7 +26,8 @@ class CompressResult:
     length:    int, valid slots per layer afterwards (P + min(budget, V)); every layer has the same length.
     keep:      int64 [L, B, n], kept visual indices (relative to P) ascending, -1 padded; n = min(budget, V).
     scores:    float32 [L, B, V], the smoothed scores S~ that selection used (§2.4).
-    compacted_flag: 0-dim bool tensor on the cache's device; `compacted` reads it (one host sync, on demand).
+    compacted_flag: 0-dim bool tensor (on the cache's device, or attn's for a split cache); `compacted` reads it
+                    (one host sync, on demand).
     """
 
     length: int
@@ -123,23 +125,30 @@ def reindex_flag(positions: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
 
 
 def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-            cfg: HermesConfig, inv_freq: torch.Tensor,
-            mrope_section: Sequence[int] | None = None) -> tuple[int, torch.Tensor]:
+            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
+            layers: range | None = None, compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """Gather kept tokens, re-index, rotate keys and write summaries, in place (eq. 6, Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D]; positions: int64 [L, B, N] or [L, B, 3, N]; keep: from `select_keep`.
-    Returns (length, compacted_flag). Slots from `length` on are left as they were.
+    layers: the consecutive layers of cfg these tensors hold (a range with step 1, L = len(layers); default all
+    cfg.num_layers): a model split over devices compacts each stack separately, with the roles of its own layers.
+    compacted_flag: the step's re-index decision as a 0-dim bool tensor on keys' device, made by the caller for
+    the whole model (§2.7: one decision for all layers); it wins over the config, eager included. Default:
+    `reindex_flag(positions, cfg)` of the given positions.
+    Returns (length, the flag used). Slots from `length` on are left as they were.
     """
-    check_cache(keys, values, positions, cfg, inv_freq, mrope_section)
+    layers = check_layers(layers, cfg)
+    check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
     check_keep(keep, keys, cfg)
+    check_compacted_flag(compacted_flag, keys)
     L, B, _, N, _ = keys.shape
     P = cfg.prefix_len
     V = N - P
     work = _work_dtype(keys)
-    flag = reindex_flag(positions, cfg)
+    flag = reindex_flag(positions, cfg) if compacted_flag is None else compacted_flag
     compacted = bool(flag)
     for layer in range(L):
-        is_deep = int(cfg.role[layer]) == DEEP
+        is_deep = int(cfg.role[layers[layer]]) == DEEP
         for b in range(B):
             kept = keep[layer, b][keep[layer, b] >= 0]
             n = kept.numel()

@@ -80,10 +80,32 @@ def check_scores(scores: torch.Tensor, cfg: HermesConfig) -> None:
         raise ValueError(f"scores: expected [L={cfg.num_layers}, B>=1, V>=1], got {tuple(scores.shape)}")
 
 
+def check_layers(layers, cfg: HermesConfig) -> range:
+    """layers: None (all of cfg's layers) or a non-empty `range` with step 1 inside [0, L). Returns the range."""
+    _config(cfg)
+    if layers is None:
+        return range(cfg.num_layers)
+    if not isinstance(layers, range):
+        raise TypeError(f"layers: expected a range of consecutive layer indices, got {type(layers).__name__}")
+    if layers.step != 1 or len(layers) == 0 or layers.start < 0 or layers.stop > cfg.num_layers:
+        raise ValueError(f"layers: expected a non-empty range with step 1 inside [0, L={cfg.num_layers}), "
+                         f"got {layers}")
+    return layers
+
+
+def check_compacted_flag(compacted_flag, keys: torch.Tensor) -> None:
+    """compacted_flag: None, or a 0-dim bool tensor on keys' device (the caller's re-index decision, §2.7)."""
+    if compacted_flag is None:
+        return
+    _tensor("compacted_flag", compacted_flag, (0,), (torch.bool,), "[] (0-dim) bool")
+    _same_device("compacted_flag", compacted_flag, "keys", keys)
+
+
 def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, cfg: HermesConfig,
-                inv_freq: torch.Tensor, mrope_section: Sequence[int] | None) -> None:
+                inv_freq: torch.Tensor, mrope_section: Sequence[int] | None, layers: range | None = None) -> None:
     """keys/values [L,B,Hkv,N,D] one dtype and device, positions int64 [L,B,N] or [L,B,3,N] (M-RoPE),
-    inv_freq [D/2], mrope_section summing to D/2 when given; N > prefix_len."""
+    inv_freq [D/2], mrope_section summing to D/2 when given; N > prefix_len. L = len(layers), the layers of
+    cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`."""
     _config(cfg)
     _tensor("keys", keys, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
     _tensor("values", values, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
@@ -93,8 +115,10 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         raise TypeError(f"values: dtype {values.dtype} differs from keys' {keys.dtype}")
     _same_device("values", values, "keys", keys)
     L, B, Hkv, N, D = keys.shape
-    if L != cfg.num_layers:
-        raise ValueError(f"keys: expected [L={cfg.num_layers}, B, Hkv, N, D], got {tuple(keys.shape)}")
+    expected_layers = cfg.num_layers if layers is None else len(layers)
+    if L != expected_layers:
+        held = "" if layers is None else f" for layers {layers}"
+        raise ValueError(f"keys: expected [L={expected_layers}, B, Hkv, N, D]{held}, got {tuple(keys.shape)}")
     if B < 1 or Hkv < 1:
         raise ValueError(f"keys: expected B >= 1 and Hkv >= 1, got {tuple(keys.shape)}")
     if N <= cfg.prefix_len:
@@ -134,3 +158,45 @@ def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) 
     if attn.shape[1] != keys.shape[1]:
         raise ValueError(f"attn: expected [L, B={keys.shape[1]}, V], got {tuple(attn.shape)}")
     _same_device("attn", attn, "keys", keys)
+
+
+def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None) -> None:
+    """All checks of one compression step over a cache split into per-device stacks (§2.6–2.7), before anything
+    is written on any device.
+
+    stacks: a non-empty sequence of (layers, keys, values, positions, inv_freq); `layers` is a range whose stack
+    passes `check_cache`; the ranges follow each other in order and cover [0, L) exactly; every stack has the
+    same [B, Hkv, N, D]. attn: [L, B, N - prefix_len] float32, finite, on any device.
+    """
+    _config(cfg)
+    if isinstance(stacks, (str, bytes)) or not isinstance(stacks, Sequence) or len(stacks) == 0:
+        raise TypeError(f"stacks: expected a non-empty sequence of (layers, keys, values, positions, inv_freq), "
+                        f"got {type(stacks).__name__}")
+    next_layer = 0
+    for index, stack in enumerate(stacks):
+        if not isinstance(stack, Sequence) or len(stack) != 5:
+            raise TypeError(f"stacks[{index}]: expected a (layers, keys, values, positions, inv_freq) tuple, got "
+                            f"{type(stack).__name__}")
+        layers, keys, values, positions, inv_freq = stack
+        try:
+            if not isinstance(layers, range):
+                raise TypeError(f"layers: expected a range of consecutive layer indices, got {type(layers).__name__}")
+            check_layers(layers, cfg)
+            check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"stacks[{index}]: {error}") from error
+        if layers.start != next_layer:
+            raise ValueError(f"stacks[{index}]: layers {layers} should start at layer {next_layer}; the stacks' "
+                             f"ranges must cover layers 0..{cfg.num_layers - 1} in order, without gaps or overlaps")
+        first_shape = stacks[0][1].shape[1:]
+        if keys.shape[1:] != first_shape:
+            raise ValueError(f"stacks[{index}]: keys [L, B, Hkv, N, D] = {tuple(keys.shape)} differ from stack 0's "
+                             f"[B, Hkv, N, D] = {tuple(first_shape)}; every layer holds the same slots")
+        next_layer = layers.stop
+    if next_layer != cfg.num_layers:
+        raise ValueError(f"stacks: the layer ranges end at layer {next_layer}, expected them to cover all "
+                         f"L={cfg.num_layers} layers")
+    _, B, _, N, _ = stacks[0][1].shape
+    check_attn(attn, cfg, num_visual=N - cfg.prefix_len)
+    if attn.shape[1] != B:
+        raise ValueError(f"attn: expected [L, B={B}, V], got {tuple(attn.shape)}")

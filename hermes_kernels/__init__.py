@@ -5,6 +5,8 @@ one of two backends that implement the same contract as `hermes.reference`:
   "triton" — fused Triton kernels (CUDA tensors; CPU through TRITON_INTERPRET=1 for testing),
   "torch"  — vectorised PyTorch over layers and streams, no Python loop over layers, no host syncs,
   "auto"   — triton for CUDA tensors, torch otherwise.
+`compress_stacks` is the step for a cache whose layers are split into per-device stacks (`device_map` models): one
+selection and one re-index decision for all layers, then `compact` of each stack's layer range on its own device.
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch
 
 from hermes.config import HermesConfig
 from hermes.reference import CompressResult
-from hermes.validation import (check_attn, check_cache, check_compress, check_keep, check_pooled_attention,
-                               check_scores)
+from hermes.validation import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep,
+                               check_layers, check_pooled_attention, check_scores, check_stacks)
 
 from . import compact as _compact
 from . import pooled_attention as _pooled
@@ -25,8 +27,8 @@ from .launch import launch_count
 
 BACKENDS = ("auto", "triton", "torch")
 
-__all__ = ["pooled_attention", "hermes_scores", "select_keep", "compact", "compress_step", "CompressResult",
-           "resolve_backend", "launch_count", "BACKENDS"]
+__all__ = ["pooled_attention", "hermes_scores", "select_keep", "compact", "compress_step", "compress_stacks",
+           "CompressResult", "resolve_backend", "launch_count", "BACKENDS"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -68,12 +70,20 @@ def select_keep(scores: torch.Tensor, cfg: HermesConfig, backend: str = "auto") 
 
 def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
             cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
-            backend: str = "auto") -> tuple[int, torch.Tensor]:
-    """In-place gather + re-index + rotary delta + summary (Alg. 1, appendix E). Returns (length, compacted_flag)."""
-    check_cache(keys, values, positions, cfg, inv_freq, mrope_section)
+            backend: str = "auto", *, layers: range | None = None,
+            compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+    """In-place gather + re-index + rotary delta + summary (Alg. 1, appendix E). Returns (length, compacted_flag).
+
+    Same contract as `hermes.reference.compact`: `layers` (a range with step 1 inside [0, L)) names the config
+    layers the tensors hold, default all; `compacted_flag` (0-dim bool on keys' device) is the caller's re-index
+    decision for the whole model and wins over the config (§2.7), default: decided from these positions.
+    """
+    layers = check_layers(layers, cfg)
+    check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
     check_keep(keep, keys, cfg)
+    check_compacted_flag(compacted_flag, keys)
     impl = _compact.compact_triton if resolve_backend(backend, keys.device) == "triton" else _compact.compact_torch
-    return impl(keys, values, positions, keep, cfg, inv_freq, mrope_section)
+    return impl(keys, values, positions, keep, cfg, inv_freq, mrope_section, layers, compacted_flag)
 
 
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
@@ -85,13 +95,49 @@ def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     [L, B, N] or [L, B, 3, N] (M-RoPE with `mrope_section`); attn float32 [L, B, N - prefix_len].
     """
     check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
-    chosen = resolve_backend(backend, keys.device)
-    if chosen == "triton":
+    return _compress([(range(cfg.num_layers), keys, values, positions, inv_freq)], attn, cfg, mrope_section,
+                     backend)
+
+
+def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                    attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None = None,
+                    backend: str = "auto") -> CompressResult:
+    """One HERMES compression step, in place, over a cache whose layers are split into per-device stacks (§2.6).
+
+    stacks: (layers, keys, values, positions, inv_freq) per stack, in layer order: `layers` a range of the config's
+        layers that the stack holds (the ranges cover [0, L) without gaps), keys/values [len(layers), B, Hkv, N, D],
+        positions int64 [len(layers), B, N] or [len(layers), B, 3, N], inv_freq [D/2]; each stack on its own
+        device (several stacks may share one).
+    attn: float32 [L, B, N - prefix_len] pooled guidance attention, on any device.
+    Every stack and attn are checked before anything is written on any device. Scores and keep are computed once
+    on attn's device; one re-index decision for all stacks (§2.7) is combined there from every stack's largest
+    position without a host sync; then each stack is compacted on its own device with its rows of keep and the
+    flag. The result's keep, scores and compacted_flag live on attn's device. `backend` is resolved per device.
+    """
+    check_stacks(stacks, attn, cfg, mrope_section)
+    return _compress(stacks, attn, cfg, mrope_section, backend)
+
+
+def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None,
+              backend: str) -> CompressResult:
+    """The step behind `compress_step` and `compress_stacks`, on inputs already checked (§2.3–2.8); an unknown
+    backend raises at the first dispatch, before anything is written.
+
+    A single stack next to attn keeps the fused path: its compaction decides the re-index flag itself, in the
+    same launches. Otherwise the flag is decided once here from all stacks and handed to every compaction.
+    """
+    if resolve_backend(backend, attn.device) == "triton":
         scores = _scoring.hermes_scores_triton(attn, cfg)
         keep = _select.select_keep_triton(scores, cfg)
-        length, flag = _compact.compact_triton(keys, values, positions, keep, cfg, inv_freq, mrope_section)
     else:
         scores = _scoring.hermes_scores_torch(attn, cfg)
         keep = _select.select_keep_torch(scores, cfg)
-        length, flag = _compact.compact_torch(keys, values, positions, keep, cfg, inv_freq, mrope_section)
+    fused = len(stacks) == 1 and stacks[0][1].device == attn.device
+    flag = None if fused else _compact.reindex_flag([stack[3] for stack in stacks], cfg, attn.device)
+    for layers, keys, values, positions, inv_freq in stacks:
+        device = keys.device
+        impl = _compact.compact_triton if resolve_backend(backend, device) == "triton" else _compact.compact_torch
+        length, decided = impl(keys, values, positions, keep[layers.start:layers.stop].to(device), cfg, inv_freq,
+                               mrope_section, layers, None if fused else flag.to(device))
+        flag = decided if fused else flag
     return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), compacted_flag=flag)

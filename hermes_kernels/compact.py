@@ -7,7 +7,10 @@ rotated by (p_new - p_old)·inv_freq, and deep layers that pruned something get 
 
 The re-indexing decision (`compacted_flag`) stays a 0-dim bool tensor on the cache's device and is applied
 branch-free: positions become where(flag, compacted, old), so an uncompacted step rotates by a zero delta, which is
-an exact identity (cos 0 = 1, sin 0 = 0).
+an exact identity (cos 0 = 1, sin 0 = 0). By default it is decided from the given positions (eager: always; lazy:
+past max_positions - margin). A caller that compacts a model split over devices stack by stack (`layers`, a range of
+the config's layers held by the given tensors) decides it once for all stacks and passes it in; an explicit flag
+wins over the config, eager included, because §2.7 allows only one decision per step.
 
 Dense rank of the retained positions per axis. The 1D positions of a well-formed cache strictly increase in cache
 order, and so does the M-RoPE t axis (non-decreasing), but the h and w axes cycle over the patch grid inside every
@@ -44,7 +47,7 @@ from hermes.rope import rotary_cos_sin
 
 from .launch import launch
 
-__all__ = ["compact_torch", "compact_triton"]
+__all__ = ["compact_torch", "compact_triton", "reindex_flag"]
 
 # Sentinels for masked lanes of int64 position arithmetic: far outside any position, with room to add 1.
 _BIG = 2 ** 62
@@ -66,17 +69,31 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _summary_layers(cfg: HermesConfig, V: int) -> tuple[int, int, int]:
-    """(first summary layer, kept count there, pruned count there); first == num_layers when no layer summarises.
+def _summary_layers(cfg: HermesConfig, V: int, layers: range) -> tuple[int, int, int]:
+    """(first summary layer, kept count there, pruned count there), the layer counted from `layers.start`;
+    first == len(layers) when no layer of `layers` summarises.
 
     Deep layers are the contiguous tail l >= deep_start and all keep n = min(b - 1, V); they summarise when
     summary is on and V > n (§2.6). Everything here comes from the config and shapes: no device data is read.
     """
-    first, L = cfg.deep_start, cfg.num_layers
+    first = max(cfg.deep_start, layers.start)
     kept = min(cfg.budget - 1, V)
-    if not cfg.summary or first >= L or V <= kept:
-        return L, kept, 0
-    return first, kept, V - kept
+    if not cfg.summary or first >= layers.stop or V <= kept:
+        return len(layers), kept, 0
+    return first - layers.start, kept, V - kept
+
+
+def reindex_flag(positions: Sequence[torch.Tensor], cfg: HermesConfig, device: torch.device) -> torch.Tensor:
+    """0-dim bool on `device`: re-index in this step? Eager always; lazy once any position of any of the
+    `positions` tensors (the stacks of one cache, on any devices) exceeds max_positions - margin (§2.7).
+
+    Each stack reduces on its own device and only its 0-dim maximum moves to `device`; a copy between CUDA
+    devices is ordered on the streams, so nothing waits on the host.
+    """
+    if cfg.reindex == "eager":
+        return torch.ones((), dtype=torch.bool, device=device)
+    top = torch.stack([p.amax().to(device) for p in positions]).amax()
+    return top > cfg.max_positions - cfg.margin
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,14 +174,17 @@ def _angles(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section, work: to
 
 
 def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                  cfg: HermesConfig, inv_freq: torch.Tensor,
-                  mrope_section: Sequence[int] | None = None) -> tuple[int, torch.Tensor]:
+                  cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+                  layers: range | None = None,
+                  compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """Vectorised PyTorch compaction, in place; same result as `hermes.reference.compact` (Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64 (any strides); positions: int64 [L, B, N] (1D) or
     [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep` (ascending, -1 padded: only deep layers with
     summary on carry one -1, exactly in the column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
-    Returns (P + min(budget, V), compacted_flag 0-dim bool on the cache's device). No host synchronisation.
+    layers: the config's layers the tensors hold (L = len(layers); default all); compacted_flag: 0-dim bool on the
+    cache's device that overrides the config's decision (default: `reindex_flag` of these positions).
+    Returns (P + min(budget, V), the flag used). No host synchronisation.
 
     Every op covers all layers, streams and heads at once; the only Python loops run over token tiles (their
     number follows from the shapes), which keeps the temporaries small. Tiles move left to right: tile [i0, i1)
@@ -173,8 +193,9 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     """
     L, B, Hkv, N, D = keys.shape
     P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
+    layers = range(L) if layers is None else layers
     work = _work_dtype(keys)
-    flag = _reindex_flag(positions, cfg)
+    flag = reindex_flag([positions], cfg, keys.device) if compacted_flag is None else compacted_flag
     pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
 
@@ -186,7 +207,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     delta = new - old
 
     # Alg. 1 in deep layers: fold the pruned rows in before the kept rows overwrite them
-    first, kept_deep, pruned_deep = _summary_layers(cfg, V)
+    first, kept_deep, pruned_deep = _summary_layers(cfg, V, layers)
     if pruned_deep:
         Ld = L - first
         newest = new.masked_fill(~valid, -_BIG).amax(dim=(2, 3))  # [L, B]
@@ -233,13 +254,6 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     return P + min(cfg.budget, V), flag
 
 
-def _reindex_flag(positions: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
-    """0-dim bool on positions' device: eager always, lazy once any position exceeds max_positions - margin (§2.7)."""
-    if cfg.reindex == "eager":
-        return torch.ones((), dtype=torch.bool, device=positions.device)
-    return positions.amax() > cfg.max_positions - cfg.margin
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Triton: three launches per step, whatever L, B and Hkv are
 # ----------------------------------------------------------------------------------------------------------------
@@ -255,21 +269,22 @@ def _count_changes(first_a, last_a, count_a, first_b, last_b, count_b):
     return first_a, last_b, count_a + count_b + (first_b != last_a).to(count_a.dtype)
 
 
-# Reads one axis row of positions (all N, for the lazy trigger) and the kept tokens' values (gathered through
-# keep); writes the compacted candidate P + dense rank for every kept token, in keep order. The sort packs
-# (value - row minimum, lane) into one int64, so a row's retained values must span less than 2**(63 - IDX_BITS).
+# Reads one axis row of positions (all N, when the kernels decide the lazy trigger) and the kept tokens' values
+# (gathered through keep); writes the compacted candidate P + dense rank for every kept token, in keep order. The
+# sort packs (value - row minimum, lane) into one int64, so a row's retained values must span less than
+# 2**(63 - IDX_BITS).
 @triton.jit
 def _rank_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr,
                  sp_l, sp_b, sp_a, sp_n, sk_l, sk_b, sk_n,
                  B, N, P, V, n_out,
-                 A: tl.constexpr, EAGER: tl.constexpr, BLOCK_N: tl.constexpr, IDX_BITS: tl.constexpr,
+                 A: tl.constexpr, LAZY: tl.constexpr, BLOCK_N: tl.constexpr, IDX_BITS: tl.constexpr,
                  CHUNK: tl.constexpr):
     pid = tl.program_id(0)  # (layer, stream, axis), axis fastest
     axis = pid % A
     layer = pid // A // B
     stream = pid // A % B
     row = pos_ptr + layer.to(tl.int64) * sp_l + stream.to(tl.int64) * sp_b + axis.to(tl.int64) * sp_a
-    if not EAGER:
+    if LAZY:
         # §2.7 lazy trigger, part 1: the largest position of this row
         top = tl.full([CHUNK], -_BIG_C, tl.int64)
         for start in range(0, N, CHUNK):
@@ -310,12 +325,15 @@ def _rank_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr,
 def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, dest_ptr, delta_ptr, flag_ptr,
                  sp_l, sp_b, sp_a, sp_n, sk_l, sk_b, sk_n,
                  B, P, V, n_out, num_rows, threshold, summary_role,
-                 A: tl.constexpr, EAGER: tl.constexpr, CHUNK: tl.constexpr):
+                 A: tl.constexpr, TRIGGER: tl.constexpr, CHUNK: tl.constexpr):
     pid = tl.program_id(0)  # (layer, stream)
     layer = pid // B
     stream = pid % B
-    # §2.7: one re-index decision for the whole step (every program derives the same one)
-    if EAGER:
+    # §2.7: one re-index decision for the whole step: the caller's ("given", read only), or derived by every
+    # program alike and written once
+    if TRIGGER == "given":
+        compacted = tl.load(flag_ptr) != 0
+    elif TRIGGER == "eager":
         compacted = tl.full([], 1, tl.int1)
     else:
         top = tl.full([CHUNK], -_BIG_C, tl.int64)
@@ -323,7 +341,8 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
             r = start + tl.arange(0, CHUNK)
             top = tl.maximum(top, tl.load(rowmax_ptr + r, mask=r < num_rows, other=-_BIG_C))
         compacted = tl.max(top, axis=0) > threshold
-    tl.store(flag_ptr, compacted, mask=pid == 0)
+    if TRIGGER != "given":
+        tl.store(flag_ptr, compacted, mask=pid == 0)
 
     n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
     summarise = (tl.load(role_ptr + layer) == summary_role) & (V > n_keep)
@@ -474,17 +493,22 @@ _TL_WORK = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                   cfg: HermesConfig, inv_freq: torch.Tensor,
-                   mrope_section: Sequence[int] | None = None) -> tuple[int, torch.Tensor]:
+                   cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+                   layers: range | None = None,
+                   compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """Fused in-place compaction (Alg. 1, appendix E) in three launches; same result as `hermes.reference.compact`.
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64, any strides (e.g. `buffer[..., :N, :]` views);
     positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep`.
+    layers: the config's layers the tensors hold (L = len(layers); default all): the kernels read those layers'
+    budgets and roles. compacted_flag: 0-dim bool on the cache's device, read by the plan kernel instead of the
+    config's decision (default: decided on the device from these positions).
     Launches: rank (grid L·B·A), plan (grid L·B), move (grid L·B·Hkv × channel groups); O(L·B·A·V) int scratch.
-    Returns (P + min(budget, V), compacted_flag 0-dim bool on the cache's device); no host synchronisation.
+    Returns (P + min(budget, V), the flag used: 0-dim bool on the cache's device); no host synchronisation.
     """
     L, B, Hkv, N, D = keys.shape
     P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
+    layers = range(L) if layers is None else layers
     device = keys.device
     work = _work_dtype(keys)
     pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
@@ -495,28 +519,31 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
         t_end = int(mrope_section[0])
         h_end = t_end + int(mrope_section[1])
     per_layer = cfg.on(device)
+    budget = per_layer.layer_budget[layers.start:layers.stop]  # views: the kernels index them by local layer
+    role = per_layer.role[layers.start:layers.stop]
     inv = inv_freq.to(device=device, dtype=work)
 
     cand = _scratch((L, B, A, n), torch.int64, device)  # P + dense rank of every kept token, keep order
     rowmax = _scratch((L * B * A,), torch.int64, device)  # largest position of every axis row (lazy trigger)
     dest = _scratch((L, B, V), torch.int32, device)  # slot of every visual token among the kept, or -1
     delta = _scratch((L, B, A, V), torch.int64, device)  # rotation delta of every token that is read
-    flag = _scratch((), torch.bool, device)
-    eager = cfg.reindex == "eager"
+    flag = _scratch((), torch.bool, device) if compacted_flag is None else compacted_flag
+    trigger = cfg.reindex if compacted_flag is None else "given"
     summary_role = DEEP if cfg.summary else -1  # layers of this role fold their pruned tokens (Alg. 1)
     block_n = triton.next_power_of_2(n)
     chunk = min(_CHUNK, triton.next_power_of_2(max(N, L * B * A)))
     warps = min(16, max(4, block_n // 512))  # the sort holds the whole kept row in registers
 
-    launch(_rank_kernel, (L * B * A,), pos, keep, cand, rowmax, per_layer.layer_budget,
+    launch(_rank_kernel, (L * B * A,), pos, keep, cand, rowmax, budget,
            *pos.stride(), *keep.stride(), B, N, P, V, n,
-           A=A, EAGER=eager, BLOCK_N=block_n, IDX_BITS=block_n.bit_length() - 1, CHUNK=chunk, num_warps=warps)
-    launch(_plan_kernel, (L * B,), pos, keep, cand, rowmax, per_layer.layer_budget, per_layer.role, dest, delta,
+           A=A, LAZY=trigger == "lazy", BLOCK_N=block_n, IDX_BITS=block_n.bit_length() - 1, CHUNK=chunk,
+           num_warps=warps)
+    launch(_plan_kernel, (L * B,), pos, keep, cand, rowmax, budget, role, dest, delta,
            flag, *pos.stride(), *keep.stride(), B, P, V, n, L * B * A, cfg.max_positions - cfg.margin,
-           summary_role, A=A, EAGER=eager, CHUNK=chunk)
+           summary_role, A=A, TRIGGER=trigger, CHUNK=chunk)
     block_pairs = min(32, triton.next_power_of_2(half))
     launch(_move_kernel, (L * B * Hkv, triton.cdiv(half, block_pairs)), keys, values, dest, delta, inv,
-           per_layer.layer_budget, per_layer.role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
+           budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
            summary_role, A=A, T_END=t_end, H_END=h_end, WORK=_TL_WORK[work],
            BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag

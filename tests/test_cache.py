@@ -4,9 +4,13 @@ The cache is driven here the way a model drives it: `update` once per layer, in 
 keys/values of the incoming tokens. Compression is compared with `hermes.reference.compress_step` run on
 contiguous copies of the same data.
 """
+import functools
+
 import pytest
 import torch
 from transformers import DynamicCache
+
+import hermes.stream
 
 from hermes import HermesConfig
 from hermes import reference as ref
@@ -14,17 +18,19 @@ from hermes.attention import HERMES_ATTENTION, patch_model
 from hermes.cache import HermesCache, claim_update
 from hermes.guidance import GLOBAL, LOCAL, GuidancePlan, guidance_prompts
 from tests.stream_checks import single_thread  # noqa: F401 (autouse fixture)
-from tests.tiny_models import tiny_llava_ov
+from tests.tiny_models import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, poison_
 
 SECTION = [2, 3, 3]
 
 
 def make_cache(L=4, B=2, Hkv=2, D=16, P=3, budget=10, capacity=40, dtype=torch.float32, mrope=False,
-               reindex="eager", preset="llava_ov", **overrides):
-    cfg = getattr(HermesConfig, preset)(L, budget, P, max_positions=4096, reindex=reindex, margin=64, **overrides)
+               reindex="eager", preset="llava_ov", max_positions=4096, stack_bounds=(), **overrides):
+    cfg = getattr(HermesConfig, preset)(L, budget, P, max_positions=max_positions, reindex=reindex, margin=64,
+                                        **overrides)
     cache = HermesCache(cfg, batch_size=B, num_kv_heads=Hkv, head_dim=D, capacity=capacity, dtype=dtype,
-                        inv_freq=inv_freq_for(D, 1e4), mrope_section=SECTION if mrope else None)
+                        inv_freq=inv_freq_for(D, 1e4), mrope_section=SECTION if mrope else None,
+                        stack_bounds=stack_bounds)
     for stack in cache._stacks:  # whatever is read before being written shows up as NaN
         poison_(stack.keys)
         poison_(stack.values)
@@ -194,7 +200,10 @@ def test_construction_errors():
                 inv_freq=inv_freq_for(16))
     for change, match in (({"capacity": 13}, "capacity"), ({"head_dim": 15}, "head_dim"),
                           ({"inv_freq": inv_freq_for(8)}, "inv_freq"), ({"mrope_section": [2, 2, 2]}, "mrope"),
-                          ({"layer_devices": ["cpu"] * 3}, "layer_devices"), ({"batch_size": 0}, "batch_size")):
+                          ({"layer_devices": ["cpu"] * 3}, "layer_devices"), ({"batch_size": 0}, "batch_size"),
+                          ({"stack_bounds": [0]}, "stack_bounds"), ({"stack_bounds": [4]}, "stack_bounds"),
+                          ({"stack_bounds": [3, 1]}, "stack_bounds"), ({"stack_bounds": [2, 2]}, "stack_bounds"),
+                          ({"stack_bounds": [1.5]}, "stack_bounds")):
         with pytest.raises(ValueError, match=match):
             HermesCache(cfg, **{**args, **change})
     with pytest.raises(TypeError, match="cfg"):
@@ -207,6 +216,10 @@ def test_layers_on_two_devices_get_two_stacks():
                         inv_freq=inv_freq_for(16), layer_devices=["cpu", "cpu", "meta", "meta"])
     assert [(s.device.type, s.first, s.keys.shape[0]) for s in cache._stacks] == [("cpu", 0, 2), ("meta", 2, 2)]
     assert len(cache) == 4 and cache.get_max_length() == 40
+    split = HermesCache(cfg, batch_size=1, num_kv_heads=2, head_dim=16, capacity=40, dtype=torch.float32,
+                        inv_freq=inv_freq_for(16), layer_devices=["cpu", "cpu", "meta", "meta"], stack_bounds=[1, 2])
+    assert [(s.device.type, s.first, s.keys.shape[0]) for s in split._stacks] == \
+        [("cpu", 0, 1), ("cpu", 1, 1), ("meta", 2, 2)]
 
 
 def test_claim_update_is_tied_to_the_returned_tensor():
@@ -266,3 +279,100 @@ def test_guidance_plan_skips_layers_that_ignore_attention(preset, L, skipped):
     assert every.kinds == (("local",) if cfg.shallow_end else ()) + ("mixed", "global")
     with pytest.raises(ValueError, match="layers"):
         GuidancePlan.from_config(cfg, [L])
+
+
+# Triton (the interpreter on CPU, ~0.5 s per step) runs the lazy layouts, where the shared decision matters
+@pytest.mark.parametrize("backend, mrope, reindex, dtype, bounds", [
+    ("torch", False, "lazy", torch.float32, [2]), ("torch", True, "lazy", torch.bfloat16, [1, 3]),
+    ("torch", False, "eager", torch.float16, [3]), ("triton", False, "lazy", torch.float32, [2]),
+    ("triton", True, "lazy", torch.bfloat16, [1, 3])])
+def test_split_stacks_match_one_stack(backend, mrope, reindex, dtype, bounds):
+    """A cache laid out as several stacks (`stack_bounds`, the layout of a `device_map` split) and a one-stack cache
+    fed the same chunks agree after every compression: same keep, flag, length and stats, and exactly the same
+    keys, values and positions in every layer (each layer's arithmetic does not depend on which layers share its
+    stack). With lazy re-indexing the deep layers' summary positions run ahead of the others, so some step has
+    one stack past the threshold and another below it: only one decision for the whole cache keeps them equal."""
+    caches = [make_cache(dtype=dtype, mrope=mrope, reindex=reindex, max_positions=104, stack_bounds=b)
+              for b in ((), bounds)]
+    assert [len(c._stacks) for c in caches] == [1, len(bounds) + 1]
+    cfg = caches[0].cfg
+    threshold = cfg.max_positions - cfg.margin
+    rel = torch.tensor([[0, 0, 2, 2, 4, 4], [0, 1, 0, 1, 0, 1], [0, 1, 0, 1, 0, 1]]) if mrope else None
+    streams = [torch.Generator().manual_seed(9) for _ in caches]  # same seed: the same keys/values for both
+    g = torch.Generator().manual_seed(10)
+    for cache, stream in zip(caches, streams):
+        feed(cache, cfg.prefix_len, stream)
+    straddled = False
+    for _ in range(8):
+        for cache, stream in zip(caches, streams):
+            feed(cache, 6, stream, rel=rel)
+        N = caches[0].length
+        if N - cfg.prefix_len <= cfg.budget:
+            continue
+        tops = [int(s.positions[..., :N].max()) for s in caches[1]._stacks]
+        straddled |= min(tops) <= threshold < max(tops)
+        attn = distinct_attention(4, 2, N - cfg.prefix_len, g)
+        one, split = (cache.compress(attn, backend=backend) for cache in caches)
+        assert (split.length, split.compacted) == (one.length, one.compacted)
+        assert torch.equal(split.keep, one.keep)
+        for layer in range(cfg.num_layers):
+            for name in ("keys", "values", "positions"):
+                get = getattr(HermesCache, f"layer_{name}")
+                assert_close_verbose(get(caches[1], layer), get(caches[0], layer), 0.0, 0.0, f"{name} {layer}")
+    stats = caches[0].stats()
+    assert caches[1].stats() == stats and stats["steps"] == 7 and stats["compactions"] >= 1
+    assert straddled or reindex == "eager", "no step had stacks on both sides of the lazy threshold"
+
+
+def test_split_cache_rejects_bad_attention_without_writing():
+    g = torch.Generator().manual_seed(11)
+    cache = make_cache(stack_bounds=[1, 3])
+    for _ in range(4):
+        feed(cache, 5, g)
+    length = cache.length
+    before = [(s.keys.clone(), s.values.clone(), s.positions.clone()) for s in cache._stacks]
+    bad = distinct_attention(4, 2, cache.length - 3, g)
+    bad[3, 1, 2] = float("inf")
+    for attn, match in ((bad, "non-finite"), (distinct_attention(4, 2, 5, g), "attn"),
+                        (distinct_attention(4, 1, cache.length - 3, g), "attn")):
+        with pytest.raises(ValueError, match=match):
+            cache.compress(attn)
+    assert cache.length == length and cache.stats()["steps"] == 0
+    for stack, saved in zip(cache._stacks, before):
+        for now, then in zip((stack.keys, stack.values, stack.positions), saved):
+            assert torch.equal(now.nan_to_num(7.0), then.nan_to_num(7.0))
+
+
+FAMILIES = {
+    "llava_ov": (tiny_llava_ov, 2, {}, lambda g: {"video": llava_pixels(1, 2, g)}),
+    "qwen2_5_vl": (tiny_qwen2_5_vl, 4, {"frame_size": (16, 16)},
+                   lambda g: dict(zip(("video", "grid_thw"), qwen_pixels(1, 4, g)), seconds_per_grid=4.0)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stream_over_split_stacks_matches_one_stack(family, monkeypatch):
+    """HermesStream on a tiny model whose cache is split into three stacks (as a model spread over devices with
+    `device_map` gets it) gives the one-stack stream's cache, step results and answer, through appends with
+    lazy compressions (some re-indexing) and a question."""
+    build, frames, kwargs, chunk = FAMILIES[family]
+    model = build(max_positions=256)
+    args = dict(chunk_frames=frames, room=160, budget=40, margin=196, **kwargs)  # lazy threshold: position 60
+    one = hermes.stream.HermesStream(model, tiny_tokenizer(), **args)
+    monkeypatch.setattr(hermes.stream, "HermesCache", functools.partial(HermesCache, stack_bounds=[1, 3]))
+    split = hermes.stream.HermesStream(model, tiny_tokenizer(), **args)
+    assert [len(s.cache._stacks) for s in (one, split)] == [1, 3]
+    g = torch.Generator().manual_seed(12)
+    for _ in range(8):
+        clip = chunk(g)
+        results = [stream.append_video(**clip) for stream in (one, split)]
+        assert (results[0] is None) == (results[1] is None)
+        if results[0] is not None:
+            assert torch.equal(results[0].keep, results[1].keep) and results[0].compacted == results[1].compacted
+    assert split.stats() == one.stats() and one.stats()["compactions"] >= 1
+    for layer in range(one.cfg.num_layers):
+        for name in ("keys", "values", "positions"):
+            get = getattr(HermesCache, f"layer_{name}")
+            assert_close_verbose(get(split.cache, layer), get(one.cache, layer), 0.0, 0.0, f"{name} {layer}")
+    assert split.ask("what is the person holding ?", max_new_tokens=4) == \
+        one.ask("what is the person holding ?", max_new_tokens=4)

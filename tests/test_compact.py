@@ -112,25 +112,26 @@ def make_cache(case: Case, g: torch.Generator, positions: torch.Tensor | None = 
     return buffers[0][..., :N, :], buffers[1][..., :N, :], buffers[2][..., :N], buffers
 
 
-def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None = None,
-             cfg: HermesConfig | None = None) -> bool:
-    """Compact one cache with `backend` and with the reference; assert everything matches. Returns the flag."""
+def setup_case(case: Case, seed: int, positions: torch.Tensor | None = None, cfg: HermesConfig | None = None):
+    """(cfg, keys, values, positions, buffers, attn, keep, inv_freq, mrope_section) of one fresh seeded cache;
+    keep is the reference's selection from attn."""
     g = torch.Generator().manual_seed(seed)
     cfg = make_config(case)[0] if cfg is None else cfg
     keys, values, positions, buffers = make_cache(case, g, positions)
-    keep = ref.select_keep(ref.hermes_scores(distinct_attention(case.L, case.B, case.V, g), cfg), cfg).to(DEVICE)
+    attn = distinct_attention(case.L, case.B, case.V, g, device=DEVICE)
+    keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)
     inv_freq = inv_freq_for(case.D, device=DEVICE)
     section = None if case.section is None else list(case.section)
-    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
-    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
+    return cfg, keys, values, positions, buffers, attn, keep, inv_freq, section
 
-    storage = [t.data_ptr() for t in (keys, values, positions)]
-    length, flag = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend)
 
-    assert [t.data_ptr() for t in (keys, values, positions)] == storage, "not in place"
-    assert isinstance(length, int) and length == ref_length
-    assert isinstance(flag, torch.Tensor) and flag.dtype == torch.bool and flag.dim() == 0
-    assert flag.device == keys.device and bool(flag) == bool(ref_flag)
+def assert_compacted_like(case: Case, got, expected, length: int, keep: torch.Tensor, compacted: bool,
+                          buffers) -> None:
+    """got (keys, values, positions) after the fast path == expected after the reference, `length` slots valid:
+    positions equal, keys/values within the dtype's tolerance, kept values (and keys when nothing was
+    re-indexed) bit-exact, slots from `length` on untouched, nothing written past N of a larger buffer."""
+    keys, values, positions = got
+    rk, rv, rp = expected
     n = length
     assert torch.equal(positions[..., :n].cpu(), rp[..., :n].cpu()), "positions differ"
     atol, rtol = TOL[case.dtype]
@@ -143,7 +144,7 @@ def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None
             end = case.P + int(kept[layer, b])
             assert torch.equal(values[layer, b, :, :end].cpu(), rv[layer, b, :, :end].cpu()), \
                 f"kept values of layer {layer} stream {b} are not bit-exact copies"
-            if not bool(ref_flag):
+            if not compacted:
                 assert torch.equal(keys[layer, b, :, :end].cpu(), rk[layer, b, :, :end].cpu()), \
                     f"keys of layer {layer} stream {b} changed although nothing was re-indexed"
     # slots from `length` on are left as they were, and nothing past N of the buffer is touched
@@ -155,6 +156,23 @@ def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None
         assert torch.isnan(buffers[0][..., N:, :]).all() and torch.isnan(buffers[1][..., N:, :]).all(), \
             "wrote past N"
         assert (buffers[2][..., N:] == POSITION_POISON).all(), "wrote positions past N"
+
+
+def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None = None,
+             cfg: HermesConfig | None = None) -> bool:
+    """Compact one cache with `backend` and with the reference; assert everything matches. Returns the flag."""
+    cfg, keys, values, positions, buffers, _, keep, inv_freq, section = setup_case(case, seed, positions, cfg)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
+
+    storage = [t.data_ptr() for t in (keys, values, positions)]
+    length, flag = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend)
+
+    assert [t.data_ptr() for t in (keys, values, positions)] == storage, "not in place"
+    assert isinstance(length, int) and length == ref_length
+    assert isinstance(flag, torch.Tensor) and flag.dtype == torch.bool and flag.dim() == 0
+    assert flag.device == keys.device and bool(flag) == bool(ref_flag)
+    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(ref_flag), buffers)
     return bool(flag)
 
 
@@ -236,5 +254,163 @@ def test_bad_input_raises_before_writing(backend):
     for error, name, args in bad_calls:
         with pytest.raises(error, match=name):
             hk.compact(*args, backend=backend)
+    for before, after in zip(snapshot, (keys, values, positions)):
+        assert torch.equal(before, after)
+
+
+# ---- layer ranges of a split cache, the caller's re-index flag, and the multi-stack step ----------------------
+# (case, layer ranges, shifted): "shifted" moves the last layer's visual positions 1000 up, past the lazy threshold
+# of the "lazy-above" config (max_positions 1000, margin 64) while every other layer stays far below it, so only
+# one decision for the whole cache re-indexes the other ranges too.
+SPLIT_CASES = [
+    (Case("llava_ov", 5, 2, 1, 64, 3, 29, 12, F16, None, "lazy-above", True, "view"), ((0, 2), (2, 4), (4, 5)), True),
+    (Case("qwen2_5_vl", 4, 1, 2, 16, 2, 25, 9, BF16, (2, 3, 3), "lazy-above", True, "view"), ((0, 3), (3, 4)), True),
+    (Case("paper", 4, 2, 1, 64, 14, 21, 8, F32, None, "eager", True, "contiguous"), ((0, 1), (1, 4)), False),
+    (Case("qwen2_5_vl", 4, 2, 1, 16, 0, 19, 7, F32, (2, 3, 3), "lazy-below", False, "view"), ((0, 2), (2, 4)), False),
+]
+
+
+def split_id(split) -> str:
+    case, ranges, shifted = split
+    return f"{case.id}-{'_'.join(f'{a}:{b}' for a, b in ranges)}{'-shifted' if shifted else ''}"
+
+
+def split_positions(case: Case, seed: int, shifted: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    positions = synthetic_positions(case.L, case.B, case.P + case.V, case.P, g, mrope=case.section is not None)
+    if shifted:
+        positions[-1, ..., case.P:] += 1000
+    return positions
+
+
+def assert_shared_flag_matters(positions: torch.Tensor, cfg: HermesConfig, shifted: bool) -> None:
+    """With a shifted last layer the whole cache re-indexes while the other layers alone would not: a stack
+    deciding on its own positions would get a different result."""
+    if shifted:
+        assert bool(ref.reindex_flag(positions, cfg)) and not bool(ref.reindex_flag(positions[:-1], cfg))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split", SPLIT_CASES, ids=split_id)
+def test_layer_ranges_with_a_shared_flag_equal_the_whole_cache(split, backend):
+    """hk.compact over consecutive layer ranges, each with its own layers' roles and budgets and the flag decided
+    for the whole cache, gives the reference's whole-cache compaction; still three launches per range (Triton),
+    and the caller's flag comes back unchanged."""
+    case, ranges, shifted = split
+    seed = SPLIT_CASES.index(split)
+    cfg, keys, values, positions, buffers, _, keep, inv_freq, section = setup_case(
+        case, 50 + seed, split_positions(case, 60 + seed, shifted))
+    assert_shared_flag_matters(positions, cfg, shifted)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
+    flag = ref.reindex_flag(positions, cfg)
+    for start, stop in ranges:
+        before = hk.launch_count()
+        length, used = hk.compact(keys[start:stop], values[start:stop], positions[start:stop], keep[start:stop], cfg,
+                                  inv_freq, section, backend=backend, layers=range(start, stop), compacted_flag=flag)
+        assert length == ref_length and used is flag
+        assert hk.launch_count() - before == (3 if backend == "triton" else 0)
+    assert bool(flag) == bool(ref_flag)
+    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), ref_length, keep, bool(ref_flag), buffers)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("section", [None, (2, 3, 3)])
+@pytest.mark.parametrize("mode, flag", [("lazy-below", True), ("eager", False)])
+def test_explicit_flag_wins_over_the_config(mode, flag, section, backend):
+    """The caller's flag decides, whatever cfg.reindex says: lazy below the threshold with True compacts as an
+    eager config does; eager with False keeps the positions as a lazy config below the threshold does."""
+    case = Case("qwen2_5_vl", 4, 2, 2, 16, 3, 25, 9, F32, section, mode, True, "view")
+    cfg, keys, values, positions, buffers, _, keep, inv_freq, section = setup_case(case, 70 + int(flag))
+    deciding = cfg.replace(reindex="eager" if flag else "lazy")  # positions start at 0: far below the limit
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, deciding, inv_freq, section)
+    assert bool(ref_flag) == flag
+    given = torch.tensor(flag, device=DEVICE)
+    length, used = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend,
+                              compacted_flag=given)
+    assert length == ref_length and used is given and bool(given) == flag
+    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, flag, buffers)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_layers_or_flag_raise_before_writing(backend):
+    case = Case("llava_ov", 4, 1, 2, 16, 2, 10, 5, F32, None, "eager", True, "contiguous")
+    cfg, keys, values, positions, _, _, keep, inv_freq, _ = setup_case(case, 80)
+    snapshot = [t.clone() for t in (keys, values, positions)]
+    bad = [
+        (TypeError, "layers", dict(layers=[0, 1, 2, 3])),
+        (ValueError, "layers", dict(layers=range(0, 4, 2))),
+        (ValueError, "layers", dict(layers=range(2, 2))),
+        (ValueError, "layers", dict(layers=range(1, 5))),
+        (ValueError, "keys", dict(layers=range(1, 4))),
+        (TypeError, "compacted_flag", dict(compacted_flag=False)),
+        (TypeError, "compacted_flag", dict(compacted_flag=torch.tensor(0, device=DEVICE))),
+        (ValueError, "compacted_flag", dict(compacted_flag=torch.ones(1, dtype=torch.bool, device=DEVICE))),
+        (ValueError, "compacted_flag", dict(compacted_flag=torch.tensor(True, device="meta"))),
+    ]
+    for error, name, changes in bad:
+        with pytest.raises(error, match=name):
+            hk.compact(keys, values, positions, keep, cfg, inv_freq, backend=backend, **changes)
+    for before, after in zip(snapshot, (keys, values, positions)):
+        assert torch.equal(before, after)
+
+
+def stacks_of(ranges, keys, values, positions, inv_freq) -> list:
+    """compress_stacks' input: one (layers, keys, values, positions, inv_freq) per range, views of one cache."""
+    return [(range(a, b), keys[a:b], values[a:b], positions[a:b], inv_freq) for a, b in ranges]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split", SPLIT_CASES, ids=split_id)
+def test_compress_stacks_equals_the_whole_step(split, backend):
+    """hk.compress_stacks over the stacks of a split cache == the reference step on the whole cache: same keep,
+    scores, length and flag (one decision from all stacks), same keys/values/positions in every stack."""
+    case, ranges, shifted = split
+    seed = SPLIT_CASES.index(split)
+    cfg, keys, values, positions, buffers, attn, _, inv_freq, section = setup_case(
+        case, 90 + seed, split_positions(case, 100 + seed, shifted))
+    assert_shared_flag_matters(positions, cfg, shifted)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    expected = ref.compress_step(rk, rv, rp, attn, cfg, inv_freq, section)
+    got = hk.compress_stacks(stacks_of(ranges, keys, values, positions, inv_freq), attn, cfg, section,
+                             backend=backend)
+    assert got.length == expected.length and got.compacted == expected.compacted
+    assert got.compacted_flag.dim() == 0 and got.compacted_flag.device == attn.device
+    assert torch.equal(got.keep.cpu(), expected.keep.cpu()), "keep indices differ"
+    assert_close_verbose(got.scores, expected.scores, 1e-5, 1e-5, "scores")
+    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), got.length, expected.keep,
+                          expected.compacted, buffers)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compress_stacks_rejects_bad_input_without_writing(backend):
+    """Every stack and attn are checked first: a bad second stack leaves the valid first one untouched too."""
+    case = Case("llava_ov", 4, 2, 1, 16, 2, 10, 5, F32, None, "eager", True, "contiguous")
+    cfg, keys, values, positions, _, attn, _, inv_freq, _ = setup_case(case, 110)
+    snapshot = [t.clone() for t in (keys, values, positions)]
+    good = stacks_of(((0, 2), (2, 4)), keys, values, positions, inv_freq)
+    nan_attn = attn.clone()
+    nan_attn[3, 1, 0] = float("nan")
+    shorter = (range(2, 4), keys[2:, :, :, :-1], values[2:, :, :, :-1], positions[2:, :, :-1], inv_freq)
+    bad = [  # (error, message, stacks, attn, backend)
+        (TypeError, "stacks", [], attn, backend),
+        (TypeError, r"stacks\[1\]", [good[0], good[1][:4]], attn, backend),
+        (TypeError, r"stacks\[1\]: layers", [good[0], ([2, 3],) + good[1][1:]], attn, backend),
+        (ValueError, r"stacks\[1\]", stacks_of(((0, 2), (3, 4)), keys, values, positions, inv_freq), attn, backend),
+        (ValueError, r"stacks\[1\]", stacks_of(((0, 2), (1, 4)), keys, values, positions, inv_freq), attn, backend),
+        (ValueError, r"stacks\[0\]", good[::-1], attn, backend),
+        (ValueError, "stacks: the layer ranges end", good[:1], attn, backend),
+        (ValueError, r"stacks\[1\]", [good[0], shorter], attn, backend),
+        (TypeError, r"stacks\[1\]: positions", [good[0], good[1][:3] + (positions[2:].float(), inv_freq)], attn,
+         backend),
+        (ValueError, r"stacks\[1\]: inv_freq", [good[0], good[1][:4] + (inv_freq[:-1],)], attn, backend),
+        (ValueError, "attn: non-finite", good, nan_attn, backend),
+        (ValueError, "attn", good, attn[:, :1], backend),
+        (ValueError, "backend", good, attn, "cuda"),
+    ]
+    for error, match, stacks, attn_arg, backend_arg in bad:
+        with pytest.raises(error, match=match):
+            hk.compress_stacks(stacks, attn_arg, cfg, backend=backend_arg)
     for before, after in zip(snapshot, (keys, values, positions)):
         assert torch.equal(before, after)

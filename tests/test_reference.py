@@ -301,3 +301,89 @@ def test_non_finite_attention_names_the_layer():
     with pytest.raises(ValueError, match=r"attn: non-finite values in layer\(s\) \[2, 3\]"):
         ref.compress_step(keys, values, positions, attn, config(budget=5, P=3), inv_freq_for(16))
     assert torch.equal(snapshot, keys)
+
+
+def split_compact(keys, values, positions, keep, cfg, inv_freq, section, splits, flag):
+    """ref.compact stack by stack over the layer ranges `splits`, all with the same re-index flag."""
+    lengths = set()
+    for layers in splits:
+        part = slice(layers.start, layers.stop)
+        length, used = ref.compact(keys[part], values[part], positions[part], keep[part], cfg, inv_freq, section,
+                                   layers=layers, compacted_flag=flag)
+        assert used is flag
+        lengths.add(length)
+    assert len(lengths) == 1
+    return lengths.pop()
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
+@pytest.mark.parametrize("reindex, last_layer_shift", [("lazy", 0), ("lazy", 2000), ("eager", 0)])
+@pytest.mark.parametrize("splits", [[range(0, 1), range(1, 3), range(3, 5)], [range(0, 4), range(4, 5)]],
+                         ids=["1-2-2", "4-1"])
+def test_layer_subsets_with_a_shared_flag_equal_the_whole_cache(splits, reindex, last_layer_shift, mrope):
+    """Compacting consecutive layer ranges separately (roles and budgets of their own layers, one flag decided
+    for the whole cache) gives exactly the whole-cache compaction. A shift of the last layer's positions past the
+    lazy threshold makes the whole cache re-index although the other ranges alone would not."""
+    P, D, section = 3, 16, [2, 3, 3] if mrope else None
+    cfg = config(L=5, budget=6, P=P, reindex=reindex, max_positions=1000, margin=64)  # mid 0-2, deep 3-4
+    keys, values, positions, attn = make_cache(5, 2, 2, P + 14, D, P, mrope=mrope, seed=17)
+    positions[-1, ..., P:] += last_layer_shift
+    keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)
+    inv_freq = inv_freq_for(D)
+    whole = [t.clone() for t in (keys, values, positions)]
+    length, flag = ref.compact(*whole, keep, cfg, inv_freq, section)
+    assert bool(flag) == (reindex == "eager" or last_layer_shift > 0)
+    if last_layer_shift:
+        assert not ref.reindex_flag(positions[:-1], cfg), "the other layers alone must stay below the threshold"
+    assert split_compact(keys, values, positions, keep, cfg, inv_freq, section, splits, flag) == length
+    for name, got, expected in zip(("keys", "values", "positions"), (keys, values, positions), whole):
+        assert torch.equal(got, expected), f"{name} of the split compaction differ from the whole cache's"
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
+@pytest.mark.parametrize("reindex, flag", [("lazy", True), ("eager", False)])
+def test_explicit_flag_wins_over_the_config(reindex, flag, mrope):
+    """A caller's flag decides re-indexing whatever cfg.reindex says: lazy below the threshold with True
+    compacts as eager does; eager with False keeps positions as lazy below the threshold does."""
+    P, D, section = 3, 16, [2, 3, 3] if mrope else None
+    cfg = config(budget=6, P=P, reindex=reindex)
+    keys, values, positions, attn = make_cache(4, 2, 2, P + 14, D, P, mrope=mrope, seed=18, start=40)
+    keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)
+    inv_freq = inv_freq_for(D)
+    deciding = cfg.replace(reindex="eager" if flag else "lazy")  # positions stay far below max_positions
+    expected = [t.clone() for t in (keys, values, positions)]
+    _, expected_flag = ref.compact(*expected, keep, deciding, inv_freq, section)
+    assert bool(expected_flag) == flag
+    given = torch.tensor(flag)
+    ref.compact(keys, values, positions, keep, cfg, inv_freq, section, compacted_flag=given)
+    for name, got, want in zip(("keys", "values", "positions"), (keys, values, positions), expected):
+        assert torch.equal(got, want), f"{name} do not follow the explicit flag"
+
+
+def bad_compact_calls():
+    """(description, keyword changes, error type, message fragment) for ref.compact's layers/compacted_flag."""
+    return [
+        ("layers list", dict(layers=[0, 1, 2, 3]), TypeError, "layers"),
+        ("layers step", dict(layers=range(0, 4, 2)), ValueError, "layers"),
+        ("layers empty", dict(layers=range(2, 2)), ValueError, "layers"),
+        ("layers negative", dict(layers=range(-1, 3)), ValueError, "layers"),
+        ("layers past L", dict(layers=range(1, 5)), ValueError, "layers"),
+        ("layers vs keys", dict(layers=range(0, 3)), ValueError, "keys"),
+        ("flag bool", dict(compacted_flag=True), TypeError, "compacted_flag"),
+        ("flag dtype", dict(compacted_flag=torch.tensor(1)), TypeError, "compacted_flag"),
+        ("flag shape", dict(compacted_flag=torch.tensor([True])), ValueError, "compacted_flag"),
+        ("flag device", dict(compacted_flag=torch.tensor(True, device="meta")), ValueError, "compacted_flag"),
+    ]
+
+
+@pytest.mark.parametrize("desc, changes, error, fragment", bad_compact_calls(),
+                         ids=[c[0] for c in bad_compact_calls()])
+def test_bad_layers_or_flag_raise_before_writing(desc, changes, error, fragment):
+    keys, values, positions, attn = make_cache(4, 2, 2, 12, 16, 3, seed=19)
+    cfg = config(budget=5, P=3)
+    keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)
+    snapshot = [t.clone() for t in (keys, values, positions)]
+    with pytest.raises(error, match=fragment):
+        ref.compact(keys, values, positions, keep, cfg, inv_freq_for(16), **changes)
+    for before, after in zip(snapshot, (keys, values, positions)):
+        assert torch.equal(before, after)
