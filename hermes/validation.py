@@ -47,7 +47,9 @@ def check_pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None
     Hkv, N, Dk = k.shape[-3:]
     if k.shape[:-3] != lead or Dk != D:
         raise ValueError(f"k: expected shape {[*lead, 'Hkv', 'N', D]} to match q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if Hkv == 0 or H % Hkv != 0:
+    if min(q.shape) < 1 or min(k.shape) < 1:
+        raise ValueError(f"q, k: every dimension must be >= 1, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if H % Hkv != 0:
         raise ValueError(f"k: {Hkv} KV heads do not divide q's {H} heads (GQA needs H % Hkv == 0)")
     if not 1 <= Q <= N:
         raise ValueError(f"q: {Q} query tokens against {N} keys; need 1 <= Q <= N (the last Q keys are the queries')")

@@ -163,7 +163,8 @@ def pooled_attention_triton(q: torch.Tensor, k: torch.Tensor, scale: float | Non
 
 def pooled_attention_torch(q: torch.Tensor, k: torch.Tensor, scale: float | None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pooled causal attention per key (§2.3), vectorised over layers, streams and heads of a GQA group.
+    """Pooled causal attention per key (§2.3): batched matmul + softmax over chunks of (layer, stream, KV head)
+    groups, each group holding all heads that share the KV head; no host sync.
 
     q: [B, H, Q, D] or [L, B, H, Q, D]; k: [B, Hkv, N, D] or [L, B, Hkv, N, D]; fp16/bf16/fp32 (computed in fp32) or
     fp64 (computed in fp64). Returns float32 [B, N] ([L, B, N]), written into `out` when given. At most

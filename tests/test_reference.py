@@ -387,3 +387,10 @@ def test_bad_layers_or_flag_raise_before_writing(desc, changes, error, fragment)
         ref.compact(keys, values, positions, keep, cfg, inv_freq_for(16), **changes)
     for before, after in zip(snapshot, (keys, values, positions)):
         assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("q_shape, k_shape", [((1, 0, 2, 8), (1, 1, 5, 8)), ((0, 2, 2, 8), (0, 1, 5, 8)),
+                                              ((1, 2, 2, 0), (1, 1, 5, 0)), ((1, 2, 2, 8), (1, 0, 5, 8))])
+def test_pooled_attention_rejects_empty_dimensions(q_shape, k_shape):
+    with pytest.raises(ValueError, match="q, k: every dimension"):
+        ref.pooled_attention(torch.randn(q_shape), torch.randn(k_shape))
