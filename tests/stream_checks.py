@@ -22,7 +22,7 @@ from hermes.config import DEEP
 from hermes.guidance import GuidancePlan
 from hermes.models import family_of
 from hermes.stream import HermesStream
-from tests.tiny_models import tiny_tokenizer
+from bench.tiny_models import tiny_tokenizer
 from tests.utils import assert_close_verbose, poison_
 
 QUESTION = "what is the person holding ?"

@@ -107,3 +107,11 @@ def test_auto_backend_follows_the_device():
     assert hk.resolve_backend("auto", torch.device("cpu")) == "torch"
     assert hk.resolve_backend("auto", torch.device("cuda", 0)) == "triton"
     assert hk.resolve_backend("torch", torch.device("cuda", 0)) == "torch"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real model shapes are checked on a GPU only (CPU: interpreter)")
+@pytest.mark.parametrize("preset, section", [("llava_ov", None), ("qwen2_5_vl", [16, 24, 24])])
+def test_real_shape_on_gpu(preset, section):
+    """LLaVA-OV-7B / Qwen2.5-VL-7B: 28 layers, 4 KV heads, D 128, prefix 14, budget 6000, a 3136-token chunk."""
+    case = (28, 1, 4, 128, 14, 6000 + 3136, 6000, torch.float16, section, "eager", True, True, preset)
+    run_case(case, "triton", seed=0)

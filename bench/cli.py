@@ -1,0 +1,224 @@
+"""`python -m bench`: per-chunk compression latency at real model shapes, every stage and backend (the main job).
+
+For every benchmark point (shape x budget x chunk x dtype) it builds one synthetic cache, then times each stage
+(pooled attention for the mixed and global guidance prompts, scoring, selection, compaction, the whole step)
+with each backend, measures the peak extra memory of one run, and prints a table with the speed-up over
+`reference`, the achieved GB/s and the ratio to the memory floor (DESIGN.md §4; bandwidth measured with a
+copy in the same run). Rows are appended to bench/results/<device>.csv and the step latencies plotted to
+bench/results/<device>.png. Then one end-to-end streaming step of a tiny model (bench/e2e.py).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from . import e2e
+from .memory import peak_extra_bytes
+from .plot import plot_rows
+from .report import (Row, append_csv, commit_hash, device_kind, device_name, fill_floor_ratios, fill_speedups,
+                     format_table)
+from .shapes import BUDGETS, CHUNK_FRAMES, PREFIX_LEN, SHAPES, SMOKE_SHAPES, TOKENS_PER_FRAME, get_shape
+from .stages import BACKENDS, STAGES, Inputs, Spec, Unavailable, stage_backends
+from .timing import copy_bandwidth, time_case
+
+RESULTS_DIR = Path(__file__).parent / "results"
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+# Defaults per device. CPU: the two 7B shapes (1D RoPE and M-RoPE), both budgets, two chunk sizes, fp32,
+# sized to finish in a few minutes on 2 cores. CUDA: every shape, fp16, more chunk sizes and repeats.
+DEFAULTS = {
+    "cpu": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=list(BUDGETS), chunks=[8, CHUNK_FRAMES],
+                dtypes=["float32"], repeats=10, reference_repeats=5, warmup=2),
+    "cuda": dict(shapes=list(SHAPES), budgets=list(BUDGETS), chunks=[4, 8, CHUNK_FRAMES],
+                 dtypes=["float16"], repeats=50, reference_repeats=5, warmup=5),
+    "quick": dict(shapes=list(SMOKE_SHAPES), budgets=[64], chunks=[1], dtypes=None, repeats=3,
+                  reference_repeats=3, warmup=1),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny shapes, few repeats, results into a temporary folder")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda[:i] (default: cuda when available)")
+    p.add_argument("--shapes", nargs="+", help=f"model shapes, from {sorted(SHAPES) + sorted(SMOKE_SHAPES)} "
+                   "(default: per device)")
+    p.add_argument("--budgets", nargs="+", type=int, help="visual tokens kept per layer (default 4000 6000)")
+    p.add_argument("--chunks", nargs="+", type=int, help="frames per chunk (default: per device)")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="cache dtype (default fp32 CPU, fp16 CUDA)")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                   help="default: all (triton only on CUDA)")
+    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
+    p.add_argument("--repeats", type=int, help="timed runs per point (default 10 CPU, 50 CUDA)")
+    p.add_argument("--reference-repeats", type=int, help="timed runs of the reference backend (default 5)")
+    p.add_argument("--warmup", type=int, help="untimed runs first (default 2 CPU, 5 CUDA)")
+    p.add_argument("--batch", type=int, default=1, help="streams in lockstep, B (default 1)")
+    p.add_argument("--reindex", choices=("eager", "lazy"), default="eager",
+                   help="eager re-indexes every step (the worst case: every kept key is rotated); lazy "
+                        "re-indexes only near max_positions, which synthetic positions never reach (default eager)")
+    p.add_argument("--prefix-len", type=int, default=PREFIX_LEN, help=f"system-prompt tokens P (default {PREFIX_LEN})")
+    p.add_argument("--tokens-per-frame", type=int, default=TOKENS_PER_FRAME,
+                   help=f"visual tokens per frame (default {TOKENS_PER_FRAME})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic inputs (default 0)")
+    p.add_argument("--results-dir", type=Path, help=f"where CSV/PNG go (default {RESULTS_DIR}; --quick: a temp dir)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end streaming step")
+    args = p.parse_args(argv)
+    defaults = DEFAULTS["quick" if args.quick else ("cuda" if args.device.startswith("cuda") else "cpu")]
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.dtypes is None:     # --quick keeps the device's dtype
+        args.dtypes = ["float16"] if args.device.startswith("cuda") else ["float32"]
+    if min(args.repeats, args.reference_repeats) < 1 or args.warmup < 0:
+        p.error("--repeats/--reference-repeats must be >= 1 and --warmup >= 0")
+    return args
+
+
+def measure(specs: list[Spec], stages: list[str], backends: tuple[str, ...], args: argparse.Namespace,
+            device: torch.device) -> list[Row]:
+    """Time (and size) every stage x backend at every spec; returns one Row each, n/a and errors included."""
+    from tqdm.auto import tqdm
+
+    jobs = [(spec, stage, backend) for spec in specs for stage in stages for backend in stage_backends(stage, backends)]
+    rows = []
+    # a bar on a terminal; in a log (CI, gpu_check) one plain line per benchmark point instead
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=len(jobs), desc="bench", unit="case", file=sys.stderr, dynamic_ncols=True,
+               disable=not interactive)
+    inputs, current = None, None
+    for done, (spec, stage, backend) in enumerate(jobs):
+        bar.set_postfix_str(f"{spec.label()} {stage} {backend}")
+        if spec is not current:
+            if not interactive:
+                print(f"bench [{done}/{len(jobs)} cases] {spec.label()}", file=sys.stderr, flush=True)
+            inputs, current = None, spec
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                inputs = Inputs(spec)
+            except Exception as exc:   # e.g. out of memory: this point's rows say so, the others still run
+                inputs = exc
+        row = Row(stage=stage, backend=backend, shape=spec.shape.name, budget=spec.budget, chunk=spec.chunk_frames,
+                  dtype=spec.dtype_name, batch=spec.batch, reindex=spec.reindex, num_tokens=spec.num_tokens)
+        try:
+            if isinstance(inputs, Exception):
+                raise RuntimeError(f"building the inputs failed: {type(inputs).__name__}: {inputs}")
+            case = STAGES[stage](inputs, backend)
+            warmup = args.warmup
+            if not args.no_memory:      # the memory run doubles as the first warm-up run
+                row.peak_extra_mib = peak_extra_bytes(case, device) / 2 ** 20
+                warmup = max(warmup - 1, 0)
+            repeats = args.reference_repeats if backend == "reference" else args.repeats
+            timing = time_case(case, device, warmup, repeats)
+            row.median_ms, row.p20_ms, row.p80_ms, row.repeats = timing.median, timing.p20, timing.p80, timing.repeats
+            row.bytes_moved, row.has_floor = case.bytes_moved, case.has_floor
+            row.gbps = case.bytes_moved / (timing.median * 1e-3) / 1e9
+        except (Unavailable, NotImplementedError, ImportError) as exc:
+            row.status = f"n/a: {type(exc).__name__}: {exc}"
+        except Exception as exc:   # a broken backend must not hide the other rows; reported and exit code 1
+            row.status = f"error: {type(exc).__name__}: {exc}"
+            traceback.print_exc(file=sys.stderr)
+        rows.append(row)
+        bar.update()
+    bar.close()
+    fill_speedups(rows)
+    return rows
+
+
+def headline(rows: list[Row]) -> list[str]:
+    """One line per point: whole-step speed-up of every backend over reference."""
+    lines = []
+    for r in rows:
+        if r.stage == "step" and r.backend != "reference" and r.speedup_vs_reference is not None:
+            lines.append(f"step speed-up {r.backend} vs reference: {r.speedup_vs_reference:.1f}x "
+                         f"({r.shape} b={r.budget} chunk={r.chunk}f {r.dtype}, N={r.num_tokens})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here", file=sys.stderr)
+        return 2
+    backends = tuple(args.backends)
+    if device.type != "cuda" and "triton" in backends:
+        backends = tuple(b for b in backends if b != "triton")
+        print("note: triton skipped on CPU (the interpreter is for correctness tests only, its timings mean "
+              "nothing); its rows come from a CUDA machine (bench/gpu_check.sh)")
+    results_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else RESULTS_DIR)
+    specs = [Spec(shape=get_shape(shape), budget=budget, chunk_frames=chunk, dtype=DTYPES[dtype], device=device,
+                  batch=args.batch, prefix_len=args.prefix_len, tokens_per_frame=args.tokens_per_frame,
+                  reindex=args.reindex, seed=args.seed)
+             for shape in args.shapes for dtype in args.dtypes for budget in args.budgets for chunk in args.chunks]
+    for spec in specs:      # bad budgets etc. fail here, before minutes of measuring
+        spec.cfg
+
+    name, commit = device_name(device), commit_hash()
+    print(f"device: {name}; torch {torch.__version__}; commit {commit}")
+    load = os.getloadavg()[0] if device.type == "cpu" and hasattr(os, "getloadavg") else None
+    if load is not None:
+        print(f"host load average before the run: {load:.1f} on {os.cpu_count()} cores"
+              + ("  WARNING: other processes hold the CPU, timings will be inflated and noisy" if load > 0.5 else ""))
+    copy_bytes = (64 << 20) if args.quick else (1 << 30)
+    bandwidths = [copy_bandwidth(device, copy_bytes)]
+    rows = measure(specs, args.stages, backends, args, device)
+    bandwidths.append(copy_bandwidth(device, copy_bytes))
+    bandwidth = max(bandwidths)     # a ceiling: the better of the copies before and after the measurements
+    print(f"copy bandwidth (read + write, best of 5 {copy_bytes >> 20} MiB "
+          f"{'device-to-device' if device.type == 'cuda' else 'host'} copies): before "
+          f"{bandwidths[0] / 1e9:.1f} GB/s, after {bandwidths[1] / 1e9:.1f} GB/s; the memory floor uses "
+          f"{bandwidth / 1e9:.1f} GB/s")
+    fill_floor_ratios(rows, bandwidth)
+    load_after = None
+    if load is not None:    # the 1-minute average lags: a competitor that started mid-run shows up here
+        load_after = os.getloadavg()[0]
+        busy = torch.get_num_threads() + 0.5     # this run's own threads count towards it
+        print(f"host load average after the measurements: {load_after:.1f} (this run's threads: "
+              f"{torch.get_num_threads()})" + ("  WARNING: timings contended" if load_after > busy else ""))
+    print()
+    print(format_table(rows))
+    print()
+    print("median/p20/p80: per-run latency over the repeats; vs ref: reference median / this median\n"
+          "GB/s: least bytes the stage must move / median; x floor (compact, step): median / (least bytes / copy "
+          "bandwidth)\npeak MiB: extra memory of one run; pooled_attention rows: one layer's guidance pass "
+          "(q40 mixed prompt, q20 global)")
+    for line in headline(rows):
+        print(line)
+
+    csv_path = results_dir / f"{device_kind(device)}.csv"
+    written = append_csv(rows, csv_path, name, commit, bandwidth / 1e9, (load, load_after))
+    print(f"appended {written} rows to {csv_path}")
+    if not args.no_plot:
+        png = plot_rows(rows, results_dir / f"{device_kind(device)}.png", f"HERMES compress step, {name}, {commit}")
+        if png is not None:
+            print(f"plot: {png}")
+
+    errors = [f"{r.stage} {r.backend} {r.shape}: {r.status}" for r in rows if r.status.startswith("error")]
+    if not args.no_e2e:
+        print()
+        try:
+            print(e2e.report(e2e.run(device, quick=args.quick)))
+        except (Unavailable, NotImplementedError, ImportError) as exc:
+            print(f"end-to-end: n/a ({type(exc).__name__}: {exc})")
+        except Exception as exc:   # like a stage error: reported, exit code 1
+            errors.append(f"end-to-end: error: {type(exc).__name__}: {exc}")
+            traceback.print_exc(file=sys.stderr)
+            print(errors[-1])
+
+    print(f"\nbench finished in {time.perf_counter() - t_start:.0f} s; {len(errors)} error(s)")
+    return 1 if errors else 0

@@ -1,0 +1,153 @@
+"""End-to-end streaming step on a tiny random LLaVA-OneVision: our cache vs the straightforward way.
+
+One step = encode a chunk of frames, prefill it, run the guidance pass, compress to the budget.
+- ours: `hermes.stream.HermesStream.append_video` (preallocated cache, guidance pooled inside the attention
+  function in one read-only forward, `hermes_kernels.compress_step` in place);
+- baseline: what the released code does, written plainly: a `DynamicCache`, eager attention, three extra
+  forwards (local, global, mixed prompts) with `output_attentions=True` whose [L][B, H, Q, N] probabilities are
+  pooled per layer, then `hermes.reference.compress_step` on K/V stacked from the cache and written back.
+The baseline keeps one position sequence for all layers (max over layers + 1 for new tokens): its numbers are
+for timing, not for answers. Both models are built from the same seed; the vision tower is shared work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from .stages import Unavailable
+from .timing import Timing, summarise
+
+
+@dataclasses.dataclass(frozen=True)
+class E2ESetting:
+    """Tiny model and stream geometry: `frames` frames of (image_size/patch_size/2)^2 tokens per chunk."""
+
+    num_layers: int
+    image_size: int
+    frames: int
+    budget: int
+    warm_chunks: int      # chunks streamed before timing (the cache fills and the first steps run)
+    timed_chunks: int
+
+
+FULL = E2ESetting(num_layers=8, image_size=32, frames=8, budget=1024, warm_chunks=3, timed_chunks=6)
+QUICK = E2ESetting(num_layers=4, image_size=16, frames=4, budget=96, warm_chunks=2, timed_chunks=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class E2EResult:
+    setting: E2ESetting
+    chunk_tokens: int
+    hermes: Timing
+    baseline: Timing
+
+    @property
+    def ratio(self) -> float:
+        """Baseline per-chunk median over ours: how many times faster a streaming step is with our cache."""
+        return self.baseline.median / self.hermes.median
+
+
+class BaselineStream:
+    """The straightforward streaming step (see module docstring) over a tiny LLaVA-OV model, one stream."""
+
+    def __init__(self, model, tokenizer, budget: int):
+        from transformers import DynamicCache
+
+        from hermes import reference
+        from hermes.guidance import guidance_prompts
+        from hermes.models import family_of
+
+        self.family = family_of(model)
+        self.model = model
+        self.compress_step = reference.compress_step
+        model.set_attn_implementation("eager")      # output_attentions needs the materialised probabilities
+        self.lm = self.family.language_model(model)
+        prefix = tokenizer(self.family.prefix_text(None), add_special_tokens=False)["input_ids"]
+        self.prompt_ids = {kind: torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+                           for kind, text in guidance_prompts().items()}
+        num_layers = len(self.lm.layers)
+        self.cfg = self.family.preset(num_layers, budget, len(prefix), model.config.get_text_config()
+                                      .max_position_embeddings)
+        self.inv_freq, _ = self.family.rotary(model)
+        self.prompt_of_layer = [("local", "mixed", "global")[r] for r in self.cfg.role.tolist()]
+        self.cache = DynamicCache(config=self.lm.config)
+        self.positions = torch.arange(len(prefix)).expand(num_layers, 1, -1)
+        with torch.no_grad():
+            self.lm(input_ids=torch.tensor([prefix]), position_ids=self.positions[0], cache=self.cache, use_cache=True)
+
+    def _forward(self, count: int, **inputs):
+        start = int(self.positions.max()) + 1
+        position_ids = torch.arange(start, start + count)[None]
+        return self.lm(position_ids=position_ids, cache=self.cache, use_cache=True, **inputs), position_ids
+
+    def append_video(self, video: torch.Tensor) -> None:
+        """video: pixel values [1, F, 3, S, S]. Prefill, and guidance + reference compression past the budget."""
+        with torch.no_grad():
+            embeds = self.family.encode_video(self.model, None, video, 1).embeds
+            _, position_ids = self._forward(embeds.shape[1], inputs_embeds=embeds)
+            self.positions = torch.cat([self.positions, position_ids.expand(self.cfg.num_layers, 1, -1)], dim=-1)
+            length = self.positions.shape[-1]
+            P = self.cfg.prefix_len
+            if length - P <= self.cfg.budget:
+                return
+            pooled = {}
+            for kind, ids in self.prompt_ids.items():
+                out, _ = self._forward(ids.shape[1], input_ids=ids, output_attentions=True)
+                self.cache.crop(-ids.shape[1])          # the guidance tokens must not stay in the cache
+                pooled[kind] = [a.float().mean(dim=(1, 2))[:, P:length] for a in out.attentions]
+            attn = torch.stack([pooled[kind][layer] for layer, kind in enumerate(self.prompt_of_layer)])
+            keys = torch.stack([layer.keys for layer in self.cache.layers])
+            values = torch.stack([layer.values for layer in self.cache.layers])
+            positions = self.positions.clone()
+            result = self.compress_step(keys, values, positions, attn, self.cfg, self.inv_freq)
+            for layer, cached in enumerate(self.cache.layers):
+                cached.keys = keys[layer, :, :, :result.length].clone()
+                cached.values = values[layer, :, :, :result.length].clone()
+            self.positions = positions[..., :result.length].clone()
+
+
+def _time_stream(append, chunks: list[torch.Tensor], warm: int) -> Timing:
+    """Stream `chunks` through `append`; the per-chunk wall times after the first `warm` chunks."""
+    samples = []
+    for index, chunk in enumerate(chunks):
+        t0 = time.perf_counter()
+        append(chunk)
+        if index >= warm:
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return summarise(samples)
+
+
+def run(device: torch.device, quick: bool = False) -> E2EResult:
+    """Time one streaming step per chunk with our stream and with the baseline (CPU; tiny model)."""
+    if device.type != "cpu":
+        raise Unavailable("the end-to-end step runs on CPU (tiny model); use tests/ for model checks on CUDA")
+    from bench.tiny_models import llava_pixels, tiny_llava_ov, tiny_tokenizer
+    from hermes.stream import HermesStream
+    setting = QUICK if quick else FULL
+    tokenizer = tiny_tokenizer()
+    gen = torch.Generator().manual_seed(0)
+    chunks = [llava_pixels(1, setting.frames, gen, image_size=setting.image_size)
+              for _ in range(setting.warm_chunks + setting.timed_chunks)]
+
+    def model():
+        return tiny_llava_ov(seed=0, num_layers=setting.num_layers, image_size=setting.image_size)
+
+    baseline = BaselineStream(model(), tokenizer, setting.budget)
+    baseline_timing = _time_stream(baseline.append_video, chunks, setting.warm_chunks)
+    ours = HermesStream(model(), tokenizer, budget=setting.budget, chunk_frames=setting.frames)
+    hermes_timing = _time_stream(ours.append_video, chunks, setting.warm_chunks)
+    return E2EResult(setting=setting, chunk_tokens=ours.chunk_tokens, hermes=hermes_timing, baseline=baseline_timing)
+
+
+def report(result: E2EResult) -> str:
+    s = result.setting
+    lines = [f"end-to-end streaming step, tiny LLaVA-OV ({s.num_layers} layers, hidden 64, CPU): "
+             f"{s.frames}-frame chunks of {result.chunk_tokens} tokens, budget {s.budget}, "
+             f"median over {s.timed_chunks} chunks after {s.warm_chunks} warm-up chunks"]
+    for name, t in (("ours (HermesStream)", result.hermes),
+                    ("baseline (3 x output_attentions + reference)", result.baseline)):
+        lines.append(f"  {name:<46} {t.median:9.2f} ms  (p20 {t.p20:.2f}, p80 {t.p80:.2f})")
+    lines.append(f"  baseline / ours: {result.ratio:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One check on a CUDA machine: the kernel tests on the GPU, then the benchmark table at the LLaVA-OV-7B and
+# Qwen2.5-VL-7B shapes in fp16 (triton, torch, reference), with the device-to-device copy bandwidth measured
+# in the same run for the floor ratio.
+#
+#   bash bench/gpu_check.sh OUTDIR
+#
+# Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional) already installed;
+# installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt, tests.log,
+# bench.log, <gpu>.csv, <gpu>.png. At most 7 minutes (3 for the tests, 4 for the table); the exit status
+# is non-zero if the tests or the benchmark failed.
+set -euo pipefail
+
+if [[ $# -ne 1 ]]; then
+    echo "usage: bash bench/gpu_check.sh OUTDIR" >&2
+    exit 2
+fi
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python=${PYTHON:-python3}
+
+"$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_check: torch sees no CUDA device")'
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem \
+    --format=csv >"$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi unavailable" >"$out/nvidia-smi.txt"
+cat "$out/nvidia-smi.txt"
+
+# 1. Kernel tests on CUDA: the test files that run on tests.conftest.DEVICE (cuda here). The model/stream
+#    tests run tiny models on CPU and are left to CI.
+mapfile -t cuda_tests < <(grep -l "from tests.conftest import DEVICE" tests/test_*.py)
+if [[ ${#cuda_tests[@]} -eq 0 ]]; then
+    echo "gpu_check: no test file imports tests.conftest.DEVICE" >&2
+    exit 1
+fi
+echo "== CUDA tests: ${cuda_tests[*]}"
+tests_rc=0
+timeout 180 "$python" -m pytest "${cuda_tests[@]}" -x -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" \
+    || tests_rc=$?
+
+# 2. The benchmark table (the reference is slow Python per layer: fewer repeats).
+echo "== benchmark"
+bench_rc=0
+timeout 240 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
+    --budgets 4000 6000 --chunks 16 --backends reference torch triton \
+    --repeats 30 --reference-repeats 3 --warmup 3 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
+    || bench_rc=$?
+
+echo "== gpu_check: tests exit ${tests_rc}, bench exit ${bench_rc}; results in $out"
+if [[ $tests_rc -ne 0 || $bench_rc -ne 0 ]]; then
+    exit 1
+fi
