@@ -5,7 +5,6 @@ python -m bench.stream_cost mem    # peak tensor bytes: our guidance pass vs eag
 
 The split is measured by wrapping the stream's own stages (encoder, guidance pass, compression) with timers.
 """
-import contextlib
 import statistics
 import sys
 import time
@@ -14,17 +13,8 @@ import torch
 
 import hermes.stream as hs
 from bench.tiny_models import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
-from hermes.attention import patch_model
+from hermes.attention import attention_implementation
 
-
-@contextlib.contextmanager
-def attention_impl(model, name: str):
-    """Run the language model with transformers' own `name` attention, then route it through HERMES again."""
-    model.set_attn_implementation({"text_config": name})
-    try:
-        yield
-    finally:
-        patch_model(model)
 
 
 def chunker(name, g, frames):
@@ -124,10 +114,9 @@ def memory(name="llava_ov", budget=3000, frames=16):
             pos = N + torch.arange(prompt.shape[1])[None]
             if stream.cache.mrope:
                 pos = pos.expand(3, -1, -1)
-            with attention_impl(stream.model, "eager"):
+            with attention_implementation(stream.model, "eager"):
                 eager[kind] = peak_bytes(lambda: stream.language_model(
                     input_ids=prompt, position_ids=pos, cache=cache, use_cache=True, output_attentions=True))
-            del cache
     cfg = stream.model.config.text_config
     print(f"{name:9s} cache {N} tokens (L={cfg.num_hidden_layers}, H={cfg.num_attention_heads}, "
           f"Hkv={cfg.num_key_value_heads}), prompts {[len(p) for p in ids[0]]} tokens: "

@@ -17,6 +17,7 @@ Calls whose keys do not come from a `HermesCache` (no cache, a `DynamicCache`) g
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -154,3 +155,14 @@ def patch_model(model: torch.nn.Module) -> None:
         model.set_attn_implementation({"text_config": HERMES_ATTENTION})
     else:
         model.set_attn_implementation(HERMES_ATTENTION)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str):
+    """Run the language model with transformers' own `name` attention (e.g. "eager" for `output_attentions`)
+    inside the block, then route it through HERMES again."""
+    model.set_attn_implementation({"text_config": name})
+    try:
+        yield
+    finally:
+        patch_model(model)

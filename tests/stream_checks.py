@@ -7,7 +7,6 @@ over a `DynamicCache` holding the same keys.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import warnings
@@ -17,7 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hermes.attention import patch_model
+from hermes.attention import attention_implementation
 from hermes.config import DEEP
 from hermes.guidance import GuidancePlan
 from hermes.models import family_of
@@ -50,15 +49,6 @@ class Case:
     bad_chunks: Callable
     mrope: bool
 
-
-@contextlib.contextmanager
-def attention_impl(model, name: str):
-    """Run the language model with transformers' own `name` attention, then route it through HERMES again."""
-    model.set_attn_implementation({"text_config": name})
-    try:
-        yield
-    finally:
-        patch_model(model)
 
 
 def make_stream(case: Case, model, **kwargs) -> HermesStream:
@@ -107,7 +97,7 @@ def reference_sequence(case: Case, model, chunks: list[dict], batch: int):
 
 
 def reference_logits(model, embeds, positions) -> torch.Tensor:
-    with attention_impl(model, "sdpa"), torch.no_grad():
+    with attention_implementation(model, "sdpa"), torch.no_grad():
         hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state
         return model.lm_head(hidden[:, -1])
 
@@ -115,7 +105,7 @@ def reference_logits(model, embeds, positions) -> torch.Tensor:
 def reference_greedy(model, embeds, positions, new_tokens: int, mrope: bool) -> torch.Tensor:
     tok = tiny_tokenizer()
     extra = {"mm_token_type_ids": torch.zeros(embeds.shape[:2], dtype=torch.int32)} if mrope else {}
-    with attention_impl(model, "sdpa"), torch.no_grad():
+    with attention_implementation(model, "sdpa"), torch.no_grad():
         return model.generate(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
                               position_ids=positions, max_new_tokens=new_tokens, do_sample=False,
                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **extra)
@@ -184,7 +174,7 @@ def eager_pooled(model, stream: HermesStream, stream_index: int, prompt_ids: lis
     positions = start + torch.arange(ids.shape[1])[None]
     if cache.mrope:
         positions = positions.expand(3, -1, -1)
-    with attention_impl(model, "eager"), torch.no_grad():
+    with attention_implementation(model, "eager"), torch.no_grad():
         out = model.model.language_model(input_ids=ids, position_ids=positions, cache=dynamic, use_cache=True,
                                          output_attentions=True)
     P, N = cache.cfg.prefix_len, cache.length

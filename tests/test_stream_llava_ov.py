@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from bench.tiny_models import llava_pixels, tiny_llava_ov
 from hermes.models import family_of
 from hermes.models.llava_ov import LlavaOneVision
 from tests.stream_checks import *  # noqa: F401,F403 (the shared checks are collected here)
 from tests.stream_checks import Case
-from bench.tiny_models import llava_pixels, tiny_llava_ov
 
 FRAMES = 2
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from hermes.models.qwen2_5_vl import Qwen2_5_VL, video_rel_positions
+from bench.tiny_models import qwen_pixels, tiny_qwen2_5_vl, tiny_tokenizer
+from hermes.models.qwen2_5_vl import video_rel_positions
+from hermes.stream import HermesStream
 from tests.stream_checks import *  # noqa: F401,F403 (the shared checks are collected here)
 from tests.stream_checks import QUESTION, Case
-from hermes.stream import HermesStream
-from bench.tiny_models import qwen_pixels, tiny_qwen2_5_vl, tiny_tokenizer
 
 FRAMES = 4
 SECONDS_PER_GRID = 4.0  # t advances 8 per temporal step: time, not the grid, drives the positions
