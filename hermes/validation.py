@@ -181,8 +181,8 @@ def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: S
                             f"{type(stack).__name__}")
         layers, keys, values, positions, inv_freq = stack
         try:
-            if not isinstance(layers, range):
-                raise TypeError(f"layers: expected a range of consecutive layer indices, got {type(layers).__name__}")
+            if layers is None:  # check_layers reads None as "all layers"; a stack must say which it holds
+                raise TypeError("layers: expected a range of consecutive layer indices, got NoneType")
             check_layers(layers, cfg)
             check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
         except (TypeError, ValueError) as error:

@@ -40,6 +40,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _pick(backend: str, device: torch.device, triton_impl, torch_impl):
+    """The stage implementation `backend` resolves to on `device` (see `resolve_backend`)."""
+    return triton_impl if resolve_backend(backend, device) == "triton" else torch_impl
+
+
 def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
                      backend: str = "auto") -> torch.Tensor:
     """Mean over heads and query tokens of causal softmax probabilities per key (§2.3).
@@ -47,24 +52,21 @@ def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = Non
     q [B, H, Q, D] / k [B, Hkv, N, D] (or stacked [L, ...]) -> float32 [B, N] ([L, B, N]); never builds [H, Q, N].
     """
     check_pooled_attention(q, k, scale)
-    impl = _pooled.pooled_attention_triton if resolve_backend(backend, q.device) == "triton" \
-        else _pooled.pooled_attention_torch
+    impl = _pick(backend, q.device, _pooled.pooled_attention_triton, _pooled.pooled_attention_torch)
     return impl(q, k, scale)
 
 
 def hermes_scores(attn: torch.Tensor, cfg: HermesConfig, backend: str = "auto") -> torch.Tensor:
     """Smoothed scores S~ float32 [L, B, V] from pooled attention [L, B, V] (§2.3–2.4)."""
     check_attn(attn, cfg)
-    impl = _scoring.hermes_scores_triton if resolve_backend(backend, attn.device) == "triton" \
-        else _scoring.hermes_scores_torch
+    impl = _pick(backend, attn.device, _scoring.hermes_scores_triton, _scoring.hermes_scores_torch)
     return impl(attn, cfg)
 
 
 def select_keep(scores: torch.Tensor, cfg: HermesConfig, backend: str = "auto") -> torch.Tensor:
     """Kept visual indices int64 [L, B, min(budget, V)], ascending, -1 padded (eq. 6, §2.5)."""
     check_scores(scores, cfg)
-    impl = _select.select_keep_triton if resolve_backend(backend, scores.device) == "triton" \
-        else _select.select_keep_torch
+    impl = _pick(backend, scores.device, _select.select_keep_triton, _select.select_keep_torch)
     return impl(scores, cfg)
 
 
@@ -82,7 +84,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
     check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
     check_keep(keep, keys, cfg)
     check_compacted_flag(compacted_flag, keys)
-    impl = _compact.compact_triton if resolve_backend(backend, keys.device) == "triton" else _compact.compact_torch
+    impl = _pick(backend, keys.device, _compact.compact_triton, _compact.compact_torch)
     return impl(keys, values, positions, keep, cfg, inv_freq, mrope_section, layers, compacted_flag)
 
 
@@ -136,7 +138,7 @@ def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequ
     flag = None if fused else _compact.reindex_flag([stack[3] for stack in stacks], cfg, attn.device)
     for layers, keys, values, positions, inv_freq in stacks:
         device = keys.device
-        impl = _compact.compact_triton if resolve_backend(backend, device) == "triton" else _compact.compact_torch
+        impl = _pick(backend, device, _compact.compact_triton, _compact.compact_torch)
         length, decided = impl(keys, values, positions, keep[layers.start:layers.stop].to(device), cfg, inv_freq,
                                mrope_section, layers, None if fused else flag.to(device))
         flag = decided if fused else flag
