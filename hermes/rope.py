@@ -8,6 +8,7 @@ low-precision cos/sin tables, so rotating by p then by d is rotating by p + d up
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -19,10 +20,16 @@ def mrope_axis_of_freq(mrope_section: Sequence[int], device: torch.device | str 
     `mrope_section` counts frequency pairs per axis (Qwen2.5-VL: [16, 24, 24] for D = 128): the first 16 pairs
     follow t, the next 24 h, the last 24 w; both halves of the head dim share the map (rotate-half).
     """
-    section = [int(s) for s in mrope_section]
+    section = tuple(int(s) for s in mrope_section)
     if len(section) != 3 or min(section) < 0:
         raise ValueError(f"mrope_section: expected three non-negative pair counts (t, h, w), got {mrope_section!r}")
-    return torch.repeat_interleave(torch.arange(3, device=device), torch.tensor(section, device=device))
+    return _axis_map(section, str(torch.device("cpu" if device is None else device)))
+
+
+@functools.lru_cache(maxsize=32)
+def _axis_map(section: tuple[int, int, int], device: str) -> torch.Tensor:
+    # memoised: rotations call this per token tile, and building it on a GPU is a host-to-device copy each time
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(section)).to(device)
 
 
 def rotary_angles(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
