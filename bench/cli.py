@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from hermes_kernels import native
+
 from . import e2e
 from .memory import peak_extra_bytes
 from .plot import plot_rows
@@ -57,7 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunks", nargs="+", type=int, help="frames per chunk (default: per device)")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="cache dtype (default fp32 CPU, fp16 CUDA)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
-                   help="default: all (triton only on CUDA)")
+                   help="default: all (triton only on CUDA; torch-ops, the torch backend without its C row kernel, "
+                        "only on CPU for compact and step)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
     p.add_argument("--repeats", type=int, help="timed runs per point (default 10 CPU, 50 CUDA)")
     p.add_argument("--reference-repeats", type=int, help="timed runs of the reference backend (default 5)")
@@ -160,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         backends = tuple(b for b in backends if b != "triton")
         print("note: triton skipped on CPU (the interpreter is for correctness tests only, its timings mean "
               "nothing); its rows come from a CUDA machine (bench/gpu_check.sh)")
+    if device.type != "cpu" and "torch-ops" in backends:
+        backends = tuple(b for b in backends if b != "torch-ops")  # the C row kernel is CPU-only: same as torch
+    if device.type == "cpu":
+        reason = native.unavailable_reason("compact_cpu")
+        print("torch backend, compaction rows on CPU: " + ("C walk (hermes_kernels/compact_cpu.c)" if reason is None
+              else f"torch ops ({reason})") + "; torch-ops rows: always torch ops")
     results_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else RESULTS_DIR)
     specs = [Spec(shape=get_shape(shape), budget=budget, chunk_frames=chunk, dtype=DTYPES[dtype], device=device,
                   batch=args.batch, prefix_len=args.prefix_len, tokens_per_frame=args.tokens_per_frame,

@@ -6,7 +6,9 @@ timed region, and `bytes_moved` is the least traffic the stage needs (DESIGN.md 
 ratio to the memory floor follow.
 
 Backends: "reference" is `hermes.reference`; "torch" and "triton" are `hermes_kernels` with that `backend=`;
-"eager" (pooled attention only) materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
+"torch-ops" (compact and step, CPU) is the torch backend with its C row kernel switched off
+(HERMES_KERNELS_NATIVE=0), i.e. the compaction's rows moved by torch ops; "eager" (pooled attention only)
+materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
 A backend or stage that is not there yet raises `Unavailable`, which the harness reports as "n/a".
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
 from typing import Callable
 
 import torch
@@ -23,7 +26,8 @@ from hermes import HermesConfig
 
 from .shapes import GRID_WIDTH, MROPE_TIME_STEP, PREFIX_LEN, TOKENS_PER_FRAME, ModelShape
 
-BACKENDS = ("reference", "torch", "triton")
+BACKENDS = ("reference", "torch", "torch-ops", "triton")
+TORCH_OPS_STAGES = ("compact", "step")  # where torch-ops differs from torch
 GUIDANCE_MIXED = 40     # query tokens of the mixed prompt (local + "; " + global), mid layers
 GUIDANCE_GLOBAL = 20    # query tokens of the global prompt, deep layers
 
@@ -193,7 +197,26 @@ def backend_op(backend: str, name: str) -> Callable:
     fn = getattr(module, name, None)
     if fn is None:
         raise Unavailable(f"{module_name}.{name} does not exist yet")
+    if backend == "torch-ops":
+        return _without_c_rows(functools.partial(fn, backend="torch"))
     return fn if backend == "reference" else functools.partial(fn, backend=backend)
+
+
+def _without_c_rows(fn: Callable) -> Callable:
+    """fn run with HERMES_KERNELS_NATIVE=0 (read by hermes_kernels on every call), the previous value restored."""
+    from hermes_kernels.native import ENV_SWITCH
+
+    def run(*args, **kwargs):
+        before = os.environ.get(ENV_SWITCH)
+        os.environ[ENV_SWITCH] = "0"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ[ENV_SWITCH]
+            else:
+                os.environ[ENV_SWITCH] = before
+    return run
 
 
 def _cache_bytes(spec: Spec, tokens: int) -> int:
@@ -273,5 +296,7 @@ STAGES: dict[str, Callable[[Inputs, str], Case]] = {
 
 
 def stage_backends(stage: str, backends: tuple[str, ...]) -> tuple[str, ...]:
-    """The backends a stage is measured with: the chosen ones, plus the eager baseline for pooled attention."""
-    return backends + ("eager",) if stage.startswith("pooled_attention") else backends
+    """The backends a stage is measured with: the chosen ones (torch-ops only where it differs from torch), plus
+    the eager baseline for pooled attention."""
+    chosen = tuple(b for b in backends if b != "torch-ops" or stage in TORCH_OPS_STAGES)
+    return chosen + ("eager",) if stage.startswith("pooled_attention") else chosen

@@ -26,15 +26,25 @@ Two implementations of one contract, side by side:
       axis), a plan kernel (one program per layer and stream: re-index flag, destination map, rotation deltas,
       positions updated in place), and the move kernel (one program per layer, stream, KV head and channel group)
       that walks the tokens left to right and moves/rotates K/V rows and accumulates the summary in registers.
-  compact_torch  — the CPU path: every op covers all layers, streams and heads (gather the kept rows, rotate,
-      write back; the deep layers' summary from a gather of the pruned rows), looping only over L2-sized token
-      tiles left to right; no Python loop over layers and no host sync.
+  compact_torch  — the CPU path. The planning (new positions, deltas, pruned slots, summary targets) is torch ops
+      over all layers and streams at once; the row work then takes one of two movers:
+      _rows_native — fp32 caches on CPU: one call of a C kernel (compact_cpu.c, built on first use by
+          `hermes_kernels.native`) that walks every (layer, stream, head) row left to right in place, like the
+          Triton move kernel, reading each row once and writing each kept row once;
+      _rows_torch  — everything else (fp16/bf16/fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0):
+          torch ops over all rows at once, looping only over L2-sized token tiles left to right.
+      Why two: any torch-ops mover stages the rows through a gather buffer and writes them out again; at the
+      LLaVA-OV-7B shape on a 2-core CPU the tiled gather and write-back of K and V alone, without any rotation,
+      took 49 ms, more than the whole C walk with rotation and summary (about 40 ms). Neither path has a Python
+      loop over layers; the torch-ops path has no host sync (the C path reads the angle-table range, which on CPU
+      tensors costs nothing).
 The positions are rewritten by the plan kernel rather than by the move kernel's head-0 program: every head's
 program needs the old positions (through the deltas), so rewriting them while other programs still read them
 would race; the plan kernel owns the whole row and can order its reads before its writes with a barrier.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Sequence
 
@@ -45,6 +55,7 @@ import triton.language as tl
 from hermes.config import DEEP, HermesConfig
 from hermes.rope import rotary_cos_sin
 
+from . import native
 from .launch import launch
 
 __all__ = ["compact_torch", "compact_triton", "reindex_flag"]
@@ -175,8 +186,8 @@ def _angles(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section, work: to
 
 def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                   cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
-                  layers: range | None = None,
-                  compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+                  layers: range | None = None, compacted_flag: torch.Tensor | None = None, *,
+                  native: bool | None = None) -> tuple[int, torch.Tensor]:
     """Vectorised PyTorch compaction, in place; same result as `hermes.reference.compact` (Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64 (any strides); positions: int64 [L, B, N] (1D) or
@@ -184,17 +195,17 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     summary on carry one -1, exactly in the column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
     layers: the config's layers the tensors hold (L = len(layers); default all); compacted_flag: 0-dim bool on the
     cache's device that overrides the config's decision (default: `reindex_flag` of these positions).
-    Returns (P + min(budget, V), the flag used). No host synchronisation.
+    native: which mover does the row work: None (default) = the C kernel (`_rows_native`) whenever it applies
+    (CPU fp32 cache with contiguous rows, library built, not switched off by HERMES_KERNELS_NATIVE=0), else the
+    torch ops (`_rows_torch`); False = the torch ops; True = the C kernel, or a RuntimeError saying why it cannot.
+    Returns (P + min(budget, V), the flag used).
 
-    Every op covers all layers, streams and heads at once; the only Python loops run over token tiles (their
-    number follows from the shapes), which keeps the temporaries small. Tiles move left to right: tile [i0, i1)
-    writes slots P+i0..P+i1-1 and reads sources P + keep[i] >= P + i0, and later tiles read only sources
-    >= P + i1, so no row is overwritten before it is read.
+    Small work first, in torch ops over all layers and streams: new positions, deltas, the deep layers' pruned
+    slots and summary targets. Then the row work (one of the two movers), then positions and summary slots.
     """
     L, B, Hkv, N, D = keys.shape
     P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
     layers = range(L) if layers is None else layers
-    work = _work_dtype(keys)
     flag = reindex_flag([positions], cfg, keys.device) if compacted_flag is None else compacted_flag
     pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
@@ -206,8 +217,9 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     new = torch.where(flag & valid, P + _dense_rank(old, valid), old)
     delta = new - old
 
-    # Alg. 1 in deep layers: fold the pruned rows in before the kept rows overwrite them
+    # Alg. 1 in deep layers: the pruned slots and their rotation to the target t
     first, kept_deep, pruned_deep = _summary_layers(cfg, V, layers)
+    pruned = to_target = target = None
     if pruned_deep:
         Ld = L - first
         newest = new.masked_fill(~valid, -_BIG).amax(dim=(2, 3))  # [L, B]
@@ -219,19 +231,52 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
         pruned = is_kept.argsort(dim=-1, stable=True)[..., :pruned_deep] + P  # [Ld, B, m] slots, ascending
         old_pruned = pos[first:].gather(3, pruned.unsqueeze(2).expand(Ld, B, A, pruned_deep))
         to_target = target.view(Ld, B, 1, 1) - old_pruned
+
+    rows = _rows_native if _use_native(native, keys, values) else _rows_torch
+    sums = rows(keys, values, P, torch.where(valid.squeeze(2), src, -1), delta, first, pruned, to_target,
+                inv_freq, mrope_section)
+    pos[..., P:P + n] = new
+    if pruned_deep:
+        slot = P + kept_deep
+        keys[first:, :, :, slot] = (sums[0] / pruned_deep).to(keys.dtype)
+        values[first:, :, :, slot] = (sums[1] / pruned_deep).to(values.dtype)
+        pos[first:, :, :, slot] = target.unsqueeze(2)
+    return P + min(cfg.budget, V), flag
+
+
+def _rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_freq, mrope_section):
+    """Row work in torch ops: summary sums of the pruned rows, then the kept rows rotated/moved to slots P + i.
+
+    src int64 [L, B, n] source slots (-1 past a row's kept count), delta int64 [L, B, A, n], pruned int64
+    [L - first, B, m] and to_target [L - first, B, A, m] (None without summary). Returns the key and value sums
+    [L - first, B, Hkv, D] in the work dtype, or None.
+
+    Every op covers all layers, streams and heads at once; the only Python loops run over token tiles (their
+    number follows from the shapes), which keeps the temporaries small. Tiles move left to right: tile [i0, i1)
+    writes slots P+i0..P+i1-1 and reads sources P + keep[i] >= P + i0, and later tiles read only sources
+    >= P + i1, so no row is overwritten before it is read. Padded lanes (-1) gather slot P, a valid row, and write
+    slots the caller overwrites with the summary (the only padded column).
+    """
+    L, B, Hkv, N, D = keys.shape
+    n = src.shape[-1]
+    work = _work_dtype(keys)
+    src = src.clamp(min=P)
+    sums = None
+    if pruned is not None:
+        Ld, m = pruned.shape[0], pruned.shape[-1]
         tile = _tile_tokens(keys[first:])
         deep_keys, deep_values = _Rows(keys[first:], pruned, tile), _Rows(values[first:], pruned, tile)
         rotated = _scratch((Ld, B, Hkv, tile, D), work, keys.device)
         k_sum = torch.zeros(Ld, B, Hkv, D, dtype=work, device=keys.device)
         v_sum = torch.zeros_like(k_sum)
-        for t, j0 in enumerate(range(0, pruned_deep, tile)):
-            j1 = min(j0 + tile, pruned_deep)
+        for t, j0 in enumerate(range(0, m, tile)):
+            j1 = min(j0 + tile, m)
             cos, sin = _angles(to_target[..., j0:j1], inv_freq, mrope_section, work)
             turned = _rotate(deep_keys.gather(t, j1 - j0), cos, sin, rotated[:, :, :, :j1 - j0])
             k_sum += turned.sum(dim=3)
             v_sum += deep_values.gather(t, j1 - j0).sum(dim=3, dtype=work)
+        sums = k_sum, v_sum
 
-    # appendix E: kept rows to slots P..P+n-1, keys rotated by their own position delta
     tile = _tile_tokens(keys)
     key_rows, value_rows = _Rows(keys, src, tile), _Rows(values, src, tile)
     # fp32/fp64 caches take the rotation straight into their slots; others go through a work-dtype tile
@@ -245,13 +290,80 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
         if rotated is not None:
             slots.copy_(out)
         values[:, :, :, P + i0:P + i1] = value_rows.gather(t, i1 - i0)
-    pos[..., P:P + n] = new
-    if pruned_deep:
-        slot = P + kept_deep
-        keys[first:, :, :, slot] = (k_sum / pruned_deep).to(keys.dtype)
-        values[first:, :, :, slot] = (v_sum / pruned_deep).to(values.dtype)
-        pos[first:, :, :, slot] = target.unsqueeze(2)
-    return P + min(cfg.budget, V), flag
+    return sums
+
+
+def _native_blocker(keys: torch.Tensor, values: torch.Tensor) -> str | None:
+    """Why the C row kernel cannot move these rows, or None when it can."""
+    if keys.device.type != "cpu":
+        return f"the cache is on {keys.device}, the C kernel runs on CPU tensors only"
+    if keys.dtype != torch.float32:
+        return f"the cache is {keys.dtype}, the C kernel takes torch.float32"
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        return "a key or value row is not contiguous (stride of the last dim != 1)"
+    return native.unavailable_reason("compact_cpu")
+
+
+def _use_native(native_choice: bool | None, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    blocker = _native_blocker(keys, values)
+    if native_choice and blocker is not None:
+        raise RuntimeError(f"native: the C row kernel cannot run: {blocker}")
+    return blocker is None if native_choice is None else native_choice
+
+
+def _angle_table(delta: torch.Tensor, inv_freq: torch.Tensor, work: torch.dtype):
+    """cos, sin [R, D/2] of the distinct integer deltas, each row's table index (int32, delta's shape) and the row
+    of delta 0 (-1 if none). CPU only: the table size is read from the data.
+
+    Rows cover the range min..max when that is no longer than the deltas themselves (the usual case: a step's
+    deltas span about V), else only the distinct values. Angles are `rotary_cos_sin`'s, so bit-equal per delta.
+    """
+    flat = delta.reshape(-1)
+    low, high = (int(x) for x in torch.aminmax(flat)) if flat.numel() else (0, 0)
+    if high - low < max(flat.numel(), 1):
+        values = torch.arange(low, high + 1, dtype=torch.int64)
+        index = flat - low
+        zero = -low if low <= 0 <= high else -1
+    else:
+        values, index = torch.unique(flat, sorted=True, return_inverse=True)
+        at = int(torch.searchsorted(values, 0))
+        zero = at if at < values.numel() and int(values[at]) == 0 else -1
+    cos, sin = rotary_cos_sin(values, inv_freq, None, work)
+    return cos.contiguous(), sin.contiguous(), index.to(torch.int32).view(delta.shape), zero
+
+
+def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq, mrope_section):
+    """Row work in one call of the C kernel (compact_cpu.c): each (layer, stream, head) row is walked once, left to
+    right, in place; same arguments and result as `_rows_torch` except the sums come back in float64."""
+    L, B, Hkv, N, D = keys.shape
+    A = delta.shape[2]
+    deltas = delta.reshape(-1) if pruned is None else torch.cat([delta.reshape(-1), to_target.reshape(-1)])
+    cos, sin, rows, zero = _angle_table(deltas, inv_freq, torch.float32)
+    ktab = rows[:delta.numel()].contiguous()
+    section = torch.tensor([D // 2] if mrope_section is None else list(mrope_section), dtype=torch.int64)
+    if pruned is None:
+        m, ptab, pruned, sums = 0, ktab, src, torch.zeros(2, 1, dtype=torch.float64)
+    else:
+        m = pruned.shape[-1]
+        ptab = rows[delta.numel():].contiguous()
+        pruned = pruned.contiguous()
+        sums = torch.zeros(2, L - first, B, Hkv, D, dtype=torch.float64)
+    shape = torch.tensor([L, B, Hkv, D], dtype=torch.int64)
+    kstride = torch.tensor(keys.stride()[:4], dtype=torch.int64)
+    vstride = torch.tensor(values.stride()[:4], dtype=torch.int64)
+    src = src.contiguous()
+    kernel = native.library("compact_cpu").hermes_compact_rows
+    ptr = ctypes.c_void_p
+    status = kernel(ptr(keys.data_ptr()), ptr(values.data_ptr()), ptr(shape.data_ptr()), ptr(kstride.data_ptr()),
+                    ptr(vstride.data_ptr()), ctypes.c_int64(P), ctypes.c_int64(src.shape[-1]), ptr(src.data_ptr()),
+                    ptr(ktab.data_ptr()), ctypes.c_int64(A), ptr(section.data_ptr()), ptr(cos.data_ptr()),
+                    ptr(sin.data_ptr()), ctypes.c_int32(zero), ctypes.c_int64(first), ctypes.c_int64(m),
+                    ptr(pruned.data_ptr()), ptr(ptab.data_ptr()), ptr(sums[0].data_ptr()), ptr(sums[1].data_ptr()),
+                    ctypes.c_int(torch.get_num_threads()))
+    if status != 0:
+        raise RuntimeError(f"compact_cpu.c: hermes_compact_rows returned {status} "
+                           f"(1: bad head_dim {D} or axis count {A}; 2: a worker thread failed)")
+    return None if m == 0 else (sums[0], sums[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,3 +7,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+import pytest  # noqa: E402  (after the interpreter switch above)
+
+TORCH_OPS = "torch-ops"
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    """Indirect `backend` parameter: "torch-ops" is the torch backend with its C row kernel switched off
+    (HERMES_KERNELS_NATIVE=0), so both CPU movers of the compaction are tested; other names pass through."""
+    if request.param == TORCH_OPS:
+        monkeypatch.setenv("HERMES_KERNELS_NATIVE", "0")
+        return "torch"
+    return request.param

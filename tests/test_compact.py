@@ -17,12 +17,14 @@ import torch
 import hermes_kernels as hk
 from hermes import HermesConfig
 from hermes import reference as ref
-from tests.conftest import DEVICE
+from hermes.rope import rotary_cos_sin
+from tests.conftest import DEVICE, TORCH_OPS
 from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
 
 compact_module = importlib.import_module("hermes_kernels.compact")
+native = importlib.import_module("hermes_kernels.native")
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", TORCH_OPS, "triton"]
 SPARE = 5  # buffer slots past N in "view" layouts, poisoned and checked untouched
 POSITION_POISON = -(2 ** 40)
 
@@ -58,6 +60,7 @@ CASES = [
     Case("llava_ov", 3, 1, 3, 128, 14, 45, 44, F32, None, "lazy-above", True, "contiguous"),
     Case("paper", 4, 2, 1, 64, 0, 27, 9, BF16, None, "lazy-above", False, "view"),
     Case("paper", 4, 1, 3, 64, 14, 31, 7, F64, None, "eager", True, "view"),
+    Case("paper", 3, 2, 2, 256, 14, 33, 12, F32, None, "eager", True, "view"),
     # V at budget: deep layers prune exactly one token into the summary
     Case("llava_ov", 4, 3, 1, 64, 14, 23, 23, BF16, None, "lazy-above", True, "view"),
     Case("paper", 4, 1, 3, 64, 0, 26, 26, F16, None, "eager", False, "view"),
@@ -176,14 +179,14 @@ def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None
     return bool(flag)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_reference(case, backend):
     compacted = run_case(case, backend, seed=CASES.index(case))
     assert compacted == (case.mode != "lazy-below")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("section", [None, (2, 3, 3)])
 def test_dense_rank_of_arbitrary_positions(section, backend):
     """Positions in no order, with repeats on every axis: ranks still equal the reference's (torch.unique)."""
@@ -194,7 +197,7 @@ def test_dense_rank_of_arbitrary_positions(section, backend):
     run_case(case, backend, seed=12, positions=positions)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("section", [None, (2, 3, 3)])
 def test_lazy_threshold_is_strict(section, backend):
     """Lazy re-indexing starts once the largest position exceeds max_positions - margin, not when it equals it."""
@@ -208,7 +211,7 @@ def test_lazy_threshold_is_strict(section, backend):
         assert run_case(case, backend, seed=22, positions=positions, cfg=cfg) == expected
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_many_tiles_move_left_to_right(backend, monkeypatch):
     """Tiles far smaller than the cache: in-place safety across tile and chunk boundaries."""
     monkeypatch.setattr(compact_module, "_TILE_ELEMENTS", 3 * 256)  # torch: 3 tokens per tile (L·B·Hkv·D = 256)
@@ -233,7 +236,7 @@ def test_triton_launch_count_independent_of_layers_and_streams():
     assert counts[(2, 1)] == 3, f"expected the rank, plan and move launches, got {counts[(2, 1)]}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_bad_input_raises_before_writing(backend):
     case = Case("qwen2_5_vl", 4, 1, 2, 16, 2, 10, 5, F32, (2, 3, 3), "eager", True, "contiguous")
     cfg = make_config(case)[0]
@@ -290,7 +293,7 @@ def assert_shared_flag_matters(positions: torch.Tensor, cfg: HermesConfig, shift
         assert bool(ref.reindex_flag(positions, cfg)) and not bool(ref.reindex_flag(positions[:-1], cfg))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("split", SPLIT_CASES, ids=split_id)
 def test_layer_ranges_with_a_shared_flag_equal_the_whole_cache(split, backend):
     """hk.compact over consecutive layer ranges, each with its own layers' roles and budgets and the flag decided
@@ -314,7 +317,7 @@ def test_layer_ranges_with_a_shared_flag_equal_the_whole_cache(split, backend):
     assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), ref_length, keep, bool(ref_flag), buffers)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("section", [None, (2, 3, 3)])
 @pytest.mark.parametrize("mode, flag", [("lazy-below", True), ("eager", False)])
 def test_explicit_flag_wins_over_the_config(mode, flag, section, backend):
@@ -333,7 +336,7 @@ def test_explicit_flag_wins_over_the_config(mode, flag, section, backend):
     assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, flag, buffers)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_bad_layers_or_flag_raise_before_writing(backend):
     case = Case("llava_ov", 4, 1, 2, 16, 2, 10, 5, F32, None, "eager", True, "contiguous")
     cfg, keys, values, positions, _, _, keep, inv_freq, _ = setup_case(case, 80)
@@ -361,7 +364,7 @@ def stacks_of(ranges, keys, values, positions, inv_freq) -> list:
     return [(range(a, b), keys[a:b], values[a:b], positions[a:b], inv_freq) for a, b in ranges]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("split", SPLIT_CASES, ids=split_id)
 def test_compress_stacks_equals_the_whole_step(split, backend):
     """hk.compress_stacks over the stacks of a split cache == the reference step on the whole cache: same keep,
@@ -383,7 +386,7 @@ def test_compress_stacks_equals_the_whole_step(split, backend):
                           expected.compacted, buffers)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_compress_stacks_rejects_bad_input_without_writing(backend):
     """Every stack and attn are checked first: a bad second stack leaves the valid first one untouched too."""
     case = Case("llava_ov", 4, 2, 1, 16, 2, 10, 5, F32, None, "eager", True, "contiguous")
@@ -414,3 +417,87 @@ def test_compress_stacks_rejects_bad_input_without_writing(backend):
             hk.compress_stacks(stacks, attn_arg, cfg, backend=backend_arg)
     for before, after in zip(snapshot, (keys, values, positions)):
         assert torch.equal(before, after)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two CPU movers of the torch backend: the C walk (compact_cpu.c) and the torch ops
+# ---------------------------------------------------------------------------------------------------------------
+
+NATIVE_CASES = [
+    Case("llava_ov", 4, 3, 2, 128, 14, 45, 19, F32, None, "eager", True, "view"),
+    Case("qwen2_5_vl", 4, 2, 3, 16, 3, 33, 10, F32, (2, 3, 3), "lazy-above", True, "contiguous"),
+    Case("paper", 3, 1, 1, 64, 0, 27, 9, F32, None, "lazy-below", False, "view"),
+]
+
+
+def refuse(*args, **kwargs):
+    raise AssertionError("this mover must not run here")
+
+
+def require_c_compiler():
+    reason = native.unavailable_reason("compact_cpu")
+    if reason is not None and reason.startswith("no C compiler"):
+        pytest.skip(reason)
+    assert reason is None, f"the C row kernel did not build: {reason}"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: c.id)
+def test_fp32_cpu_caches_take_the_c_walk_and_torch_ops_when_switched_off(case, monkeypatch):
+    """backend="torch" on an fp32 CPU cache runs the C walk (the torch-ops mover would raise) and matches the
+    reference; with HERMES_KERNELS_NATIVE=0 the torch-ops mover runs instead (the C one would raise)."""
+    require_c_compiler()
+    with monkeypatch.context() as patch:
+        patch.setattr(compact_module, "_rows_torch", refuse)
+        run_case(case, "torch", seed=60 + NATIVE_CASES.index(case))
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    monkeypatch.setattr(compact_module, "_rows_native", refuse)
+    run_case(case, "torch", seed=60 + NATIVE_CASES.index(case))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+def test_asking_for_the_c_walk_where_it_cannot_run_raises_before_writing(monkeypatch):
+    case = Case("llava_ov", 4, 1, 2, 64, 3, 20, 9, F16, None, "eager", True, "contiguous")
+    cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=70)
+    snapshot = [t.clone() for t in (keys, values, positions)]
+    with pytest.raises(RuntimeError, match="native: .*torch.float16"):
+        compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    with pytest.raises(RuntimeError, match=f"native: .*{native.ENV_SWITCH}=0"):
+        compact_module.compact_torch(keys.float(), values.float(), positions, keep, cfg, inv_freq, section,
+                                     native=True)
+    for before, after in zip(snapshot, (keys, values, positions)):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+def test_without_a_compiler_the_torch_ops_mover_runs(monkeypatch):
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native._build.cache_clear()
+    try:
+        assert native.library("compact_cpu") is None
+        assert native.unavailable_reason("compact_cpu").startswith("no C compiler")
+        monkeypatch.setattr(compact_module, "_rows_native", refuse)
+        run_case(NATIVE_CASES[0], "torch", seed=71)
+    finally:
+        native._build.cache_clear()  # the next test builds the real library again
+
+
+@pytest.mark.parametrize("spread", ["narrow", "wide"])
+def test_angle_table_rows_equal_the_per_token_angles(spread):
+    """The C walk's cos/sin table: a range of deltas (narrow spread) or only the distinct ones (wide spread, so
+    the range would be longer than the deltas); either way row index[i] is bit-equal to rotary_cos_sin(delta[i]),
+    the zero row is delta 0's, and -1 when the table has no row for 0."""
+    g = torch.Generator().manual_seed(72)
+    scale = 1 if spread == "narrow" else 100_003
+    delta = torch.randint(-40, 25, (3, 2, 1, 17), generator=g) * scale
+    delta[0, 0, 0, 5] = 0
+    inv_freq = inv_freq_for(64)
+    cos, sin, index, zero = compact_module._angle_table(delta, inv_freq, torch.float32)
+    assert index.dtype == torch.int32 and index.shape == delta.shape
+    assert cos.shape[0] <= (65 if spread == "narrow" else delta.numel())
+    want_cos, want_sin = rotary_cos_sin(delta, inv_freq)
+    assert torch.equal(cos[index.long()], want_cos) and torch.equal(sin[index.long()], want_sin)
+    assert zero >= 0 and torch.equal(cos[zero], torch.ones(32)) and torch.equal(sin[zero], torch.zeros(32))
+    _, _, _, none = compact_module._angle_table(delta.abs() + 1, inv_freq, torch.float32)  # no row for 0
+    assert none == -1

@@ -5,10 +5,10 @@ import torch
 import hermes_kernels as hk
 from hermes import HermesConfig
 from hermes import reference as ref
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, TORCH_OPS
 from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", TORCH_OPS, "triton"]
 
 # (L, B, Hkv, D, P, V, budget, dtype, mrope_section, reindex, cascade, summary, preset)
 CASES = [
@@ -57,14 +57,14 @@ def run_case(case, backend, seed, start=0, max_positions=None):
     return got
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}B{c[1]}Hkv{c[2]}D{c[3]}P{c[4]}V{c[5]}b{c[6]}"
                          f"-{str(c[7])[6:]}-{'mrope' if c[8] else '1d'}-{c[9]}-c{int(c[10])}s{int(c[11])}")
 def test_matches_reference(case, backend):
     run_case(case, backend, seed=hash(case[:7]) % 1000)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("section", [None, [2, 3, 3]])
 def test_lazy_threshold_crossed(backend, section):
     case = (4, 2, 1, 16, 3, 25, 10, torch.float32, section, "lazy", True, True, "qwen2_5_vl")
@@ -85,7 +85,7 @@ def test_launch_count_independent_of_layers_and_streams():
     assert 0 < counts[(2, 1)] <= 8, f"expected a handful of launches, got {counts[(2, 1)]}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_bad_input_leaves_cache_unchanged(backend):
     cfg = HermesConfig.llava_ov(4, 5, 2)
     g = torch.Generator().manual_seed(9)

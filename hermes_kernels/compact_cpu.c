@@ -1,0 +1,154 @@
+/* Stage 4 on CPU: the row work of the in-place compaction of an fp32 cache (DESIGN.md §2.6-2.8), one pass.
+ *
+ * Called by hermes_kernels/compact.py (`compact_torch` on CPU tensors) after it has planned everything small in
+ * torch: each kept token's source slot and rotation-table rows, the deep layers' pruned slots and their table
+ * rows. This file only moves rows. Worker t of T takes the (layer, stream, KV head) rows t, t + T, ... and walks
+ * each row's tokens left to right, writing kept token i's key, rotated by its delta, and its value to slot P + i.
+ * In place is sound because slot P + i never lies right of its source P + keep[i] (keep ascending): every slot
+ * left of the source being read has already been read. Deep rows merge their pruned slots into the same walk:
+ * values summed, keys rotated to the summary target and summed (double accumulators; the caller divides and
+ * writes the summary slot). Every cached row is read at most once and every kept row written once.
+ *
+ * Rotation (rotate-half, §2.8): pair q couples channels q and q + D/2 and turns by the angle of its M-RoPE axis
+ * (1D RoPE: one axis). cos/sin come from a table [R, D/2] that the caller computed with torch from the integer
+ * deltas, so every angle is fp32(delta)·inv_freq exactly as in `hermes.rope`. Products and sums each round once
+ * (built with -ffp-contract=off), as in the torch ops of the reference.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_THREADS 256
+#define MAX_HALF 512
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    float *k, *v;
+    int64_t L, B, H, D;
+    const int64_t *kstride, *vstride; /* layer, stream, head, token strides in elements */
+    int64_t P, n;
+    const int64_t *src;           /* [L, B, n] source slot of kept token i, -1 past the row's kept count */
+    const int32_t *ktab;          /* [L, B, A, n] table row per kept token and axis */
+    int64_t A;                    /* axes: 1 (1D) or 3 (M-RoPE) */
+    const int64_t *section;       /* [A] pairs per axis, summing to D/2 */
+    const float *tab_cos, *tab_sin; /* [R, D/2] */
+    int32_t zero_row;             /* table row of delta 0, -1 if absent */
+    int64_t first, m;             /* first summary layer; pruned tokens per deep (layer, stream), 0 = no summary */
+    const int64_t *pruned;        /* [L - first, B, m] pruned slots, ascending */
+    const int32_t *ptab;          /* [L - first, B, A, m] table row per pruned token and axis */
+    double *ksum, *vsum;          /* [L - first, B, H, D] */
+    int threads, worker;
+} job_t;
+
+/* out <- x rotated by the angles of table rows rows[a * stride] (one per axis). out may equal x. */
+INLINE void rotate(const float *x, float *out, const int32_t *rows, int64_t stride, const job_t *j,
+                   const int64_t half) {
+    const float *c = j->tab_cos + rows[0] * half, *s = j->tab_sin + rows[0] * half;
+    float cos_row[MAX_HALF], sin_row[MAX_HALF];
+    if (j->A > 1) { /* M-RoPE: each section's pairs from its own axis's table row */
+        for (int64_t a = 0, q = 0; a < j->A; ++a) {
+            const float *ca = j->tab_cos + rows[a * stride] * half, *sa = j->tab_sin + rows[a * stride] * half;
+            for (const int64_t end = q + j->section[a]; q < end; ++q) {
+                cos_row[q] = ca[q];
+                sin_row[q] = sa[q];
+            }
+        }
+        c = cos_row;
+        s = sin_row;
+    }
+    for (int64_t q = 0; q < half; ++q) {
+        const float x1 = x[q], x2 = x[q + half];
+        out[q] = x1 * c[q] - x2 * s[q];
+        out[q + half] = x2 * c[q] + x1 * s[q];
+    }
+}
+
+/* Kept token: key from slot s rotated into slot d, value copied (d <= s). */
+INLINE void move(const job_t *j, float *kr, float *vr, int64_t s, int64_t d, const int32_t *rows,
+                 const int64_t half) {
+    const int64_t D = 2 * half, kt = j->kstride[3], vt = j->vstride[3];
+    int still = (s == d);
+    for (int64_t a = 0; still && a < j->A; ++a) still = rows[a * j->n] == j->zero_row;
+    if (still) return; /* same slot, zero delta: nothing changes */
+    rotate(kr + s * kt, kr + d * kt, rows, j->n, j, half);
+    if (s != d) memcpy(vr + d * vt, vr + s * vt, (size_t)D * sizeof(float));
+}
+
+INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int64_t half) {
+    const int64_t D = 2 * half, A = j->A;
+    float *kr = j->k + l * j->kstride[0] + b * j->kstride[1] + h * j->kstride[2];
+    float *vr = j->v + l * j->vstride[0] + b * j->vstride[1] + h * j->vstride[2];
+    const int64_t *src = j->src + (l * j->B + b) * j->n;
+    const int32_t *ktab = j->ktab + (l * j->B + b) * A * j->n;
+    int64_t kept = 0;
+    while (kept < j->n && src[kept] >= 0) ++kept;
+    if (j->m == 0 || l < j->first) {
+        for (int64_t i = 0; i < kept; ++i) move(j, kr, vr, src[i], j->P + i, ktab + i, half);
+        return;
+    }
+    const int64_t deep = (l - j->first) * j->B + b;
+    const int64_t *pruned = j->pruned + deep * j->m;
+    const int32_t *ptab = j->ptab + deep * A * j->m;
+    double k_acc[2 * MAX_HALF], v_acc[2 * MAX_HALF];
+    float turned[2 * MAX_HALF];
+    memset(k_acc, 0, (size_t)D * sizeof(double));
+    memset(v_acc, 0, (size_t)D * sizeof(double));
+    for (int64_t i = 0, p = 0; i < kept || p < j->m;) {
+        if (p < j->m && (i == kept || pruned[p] < src[i])) {
+            const float *value = vr + pruned[p] * j->vstride[3];
+            rotate(kr + pruned[p] * j->kstride[3], turned, ptab + p, j->m, j, half);
+            for (int64_t c = 0; c < D; ++c) {
+                k_acc[c] += (double)turned[c];
+                v_acc[c] += (double)value[c];
+            }
+            ++p;
+        } else {
+            move(j, kr, vr, src[i], j->P + i, ktab + i, half);
+            ++i;
+        }
+    }
+    memcpy(j->ksum + (deep * j->H + h) * D, k_acc, (size_t)D * sizeof(double));
+    memcpy(j->vsum + (deep * j->H + h) * D, v_acc, (size_t)D * sizeof(double));
+}
+
+static void *worker(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    const int64_t rows = j->L * j->B * j->H, half = j->D / 2;
+    for (int64_t r = j->worker; r < rows; r += j->threads) {
+        const int64_t l = r / (j->B * j->H), b = (r / j->H) % j->B, h = r % j->H;
+        /* common head dims get a constant trip count, which the compiler unrolls and vectorises */
+        switch (half) {
+        case 32: walk_row(j, l, b, h, 32); break;
+        case 64: walk_row(j, l, b, h, 64); break;
+        case 128: walk_row(j, l, b, h, 128); break;
+        default: walk_row(j, l, b, h, half);
+        }
+    }
+    return NULL;
+}
+
+/* Returns 0 on success, 1 for an unsupported head dim or axis count (nothing written), 2 if a worker thread
+ * could not be joined. Rows of workers whose thread could not start run on the calling thread. */
+int hermes_compact_rows(float *k, float *v, const int64_t *shape, const int64_t *kstride, const int64_t *vstride,
+                        int64_t P, int64_t n, const int64_t *src, const int32_t *ktab, int64_t A,
+                        const int64_t *section, const float *tab_cos, const float *tab_sin, int32_t zero_row,
+                        int64_t first, int64_t m, const int64_t *pruned, const int32_t *ptab, double *ksum,
+                        double *vsum, int threads) {
+    if (shape[3] % 2 || shape[3] / 2 > MAX_HALF || A < 1 || A > 3) return 1;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started = 0, status = 0;
+    for (int t = 0; t < threads; ++t)
+        jobs[t] = (job_t){k, v, shape[0], shape[1], shape[2], shape[3], kstride, vstride, P, n, src, ktab, A,
+                          section, tab_cos, tab_sin, zero_row, first, m, pruned, ptab, ksum, vsum, threads, t};
+    for (int t = 1; t < threads; ++t) {
+        if (pthread_create(&ids[t], NULL, worker, &jobs[t]) != 0) break;
+        started = t;
+    }
+    worker(&jobs[0]);
+    for (int t = started + 1; t < threads; ++t) worker(&jobs[t]);
+    for (int t = 1; t <= started; ++t) status |= pthread_join(ids[t], NULL);
+    return status ? 2 : 0;
+}
