@@ -124,6 +124,29 @@ def _dense_rank(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(ordered).scatter_(-1, order, changed.cumsum(-1))
 
 
+def _dense_rank_counting(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`_dense_rank` of CPU tensors by counting instead of sorting; ranks of invalid lanes are unspecified.
+
+    Each row marks its valid values in a presence table over the row's span (max - min + 1), prefix-sums it and
+    reads every value's rank back: linear in n + span. The spans are read on the host (free on CPU tensors); if
+    the widest is over max(4n, 2^16) (positions far apart), the sort of `_dense_rank` is cheaper and used.
+    """
+    n = values.shape[-1]
+    rows = values.reshape(-1, n)
+    ok = valid.expand_as(values).reshape(-1, n)
+    low = rows.masked_fill(~ok, _BIG).amin(dim=-1, keepdim=True)
+    high = rows.masked_fill(~ok, -_BIG).amax(dim=-1, keepdim=True)
+    span = int((high - low).amax()) + 1 if rows.numel() else 0
+    if span > max(4 * n, 1 << 16):
+        return _dense_rank(values, valid)
+    # invalid lanes (and rows without a valid value) land in the extra column `span`, past every valid one
+    column = torch.where(ok, rows - low, span).clamp_(0, span)
+    present = torch.zeros(rows.shape[0], span + 1, dtype=torch.int32)
+    present.scatter_(1, column, 1)
+    rank = present.cumsum_(1).sub_(1)
+    return rank.gather(1, column).to(torch.int64).view(values.shape)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out <- x rotated by the angles of cos/sin (rotate-half, §2.8) in out's dtype (the work dtype); returns out.
 
@@ -206,6 +229,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     L, B, Hkv, N, D = keys.shape
     P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
     layers = range(L) if layers is None else layers
+    in_c = _use_native(native, keys, values)  # the CPU C walk, with the counting dense rank of CPU tensors
     flag = reindex_flag([positions], cfg, keys.device) if compacted_flag is None else compacted_flag
     pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
@@ -214,7 +238,8 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     valid = (keep >= 0).unsqueeze(2)
     src = keep.clamp(min=0) + P
     old = pos.gather(3, src.unsqueeze(2).expand(L, B, A, n))
-    new = torch.where(flag & valid, P + _dense_rank(old, valid), old)
+    rank = (_dense_rank_counting if in_c else _dense_rank)(old, valid)
+    new = torch.where(flag & valid, P + rank, old)
     delta = new - old
 
     # Alg. 1 in deep layers: the pruned slots and their rotation to the target t
@@ -232,7 +257,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
         old_pruned = pos[first:].gather(3, pruned.unsqueeze(2).expand(Ld, B, A, pruned_deep))
         to_target = target.view(Ld, B, 1, 1) - old_pruned
 
-    rows = _rows_native if _use_native(native, keys, values) else _rows_torch
+    rows = _rows_native if in_c else _rows_torch
     sums = rows(keys, values, P, torch.where(valid.squeeze(2), src, -1), delta, first, pruned, to_target,
                 inv_freq, mrope_section)
     pos[..., P:P + n] = new

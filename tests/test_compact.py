@@ -501,3 +501,21 @@ def test_angle_table_rows_equal_the_per_token_angles(spread):
     assert zero >= 0 and torch.equal(cos[zero], torch.ones(32)) and torch.equal(sin[zero], torch.zeros(32))
     _, _, _, none = compact_module._angle_table(delta.abs() + 1, inv_freq, torch.float32)  # no row for 0
     assert none == -1
+
+
+@pytest.mark.parametrize("spread", [1, 100_003])
+def test_counting_dense_rank_equals_the_sorting_one(spread, monkeypatch):
+    """The C walk's planning ranks positions by counting (linear in the span), falling back to the sort when the
+    span is wide: both give the sort's ranks on every valid lane, with repeats, rows in no order and a row
+    without any valid lane."""
+    g = torch.Generator().manual_seed(73)
+    values = torch.randint(0, 40, (3, 2, 3, 23), generator=g) * spread + 5
+    valid = torch.rand(3, 2, 1, 23, generator=g) < 0.7
+    valid[1, 0] = False
+    sort_rank, calls = compact_module._dense_rank, []
+    monkeypatch.setattr(compact_module, "_dense_rank", lambda *a: calls.append(1) or sort_rank(*a))
+    got = compact_module._dense_rank_counting(values, valid)
+    want = sort_rank(values, valid)
+    assert torch.equal(got[valid.expand_as(values)], want[valid.expand_as(values)])
+    assert len(calls) == (spread > 1), "the wide span should fall back to the sort, the narrow one count"
+
