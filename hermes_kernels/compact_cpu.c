@@ -1,4 +1,4 @@
-/* Stage 4 on CPU: the row work of the in-place compaction of an fp32 cache (DESIGN.md §2.6-2.8), one pass.
+/* Stage 4 on CPU: the row work of the in-place compaction (DESIGN.md §2.6-2.8) in one pass over the cache.
  *
  * Called by hermes_kernels/compact.py (`compact_torch` on CPU tensors) after it has planned everything small in
  * torch: each kept token's source slot and rotation-table rows, the deep layers' pruned slots and their table
@@ -9,6 +9,9 @@
  * values summed, keys rotated to the summary target and summed (double accumulators; the caller divides and
  * writes the summary slot). Every cached row is read at most once and every kept row written once.
  *
+ * Cache dtypes fp32, bf16 and fp16 (the last where the compiler has _Float16). Arithmetic is fp32 as in the
+ * reference: each element is widened exactly, rotated in fp32 and rounded once to the cache dtype (to nearest,
+ * ties to even, as torch's conversions); values move as raw bytes.
  * Rotation (rotate-half, §2.8): pair q couples channels q and q + D/2 and turns by the angle of its M-RoPE axis
  * (1D RoPE: one axis). cos/sin come from a table [R, D/2] that the caller computed with torch from the integer
  * deltas, so every angle is fp32(delta)·inv_freq exactly as in `hermes.rope`. Products and sums each round once
@@ -22,8 +25,17 @@
 #define MAX_HALF 512
 #define INLINE static inline __attribute__((always_inline))
 
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+#if defined(__FLT16_MAX__)
+#define HAVE_F16 1
+#else
+#define HAVE_F16 0
+#endif
+
 typedef struct {
-    float *k, *v;
+    char *k, *v;
+    int dtype;
     int64_t L, B, H, D;
     const int64_t *kstride, *vstride; /* layer, stream, head, token strides in elements */
     int64_t P, n;
@@ -40,9 +52,45 @@ typedef struct {
     int threads, worker;
 } job_t;
 
-/* out <- x rotated by the angles of table rows rows[a * stride] (one per axis). out may equal x. */
-INLINE void rotate(const float *x, float *out, const int32_t *rows, int64_t stride, const job_t *j,
-                   const int64_t half) {
+/* Bytes per element (a compile-time constant wherever dtype is one, so row copies inline). */
+INLINE int64_t element_size(const int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+
+/* Element q of a row of `dtype`, widened exactly to fp32. */
+INLINE float load(const char *row, int64_t q, const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)row)[q] << 16;
+        float x;
+        memcpy(&x, &bits, sizeof x);
+        return x;
+    }
+#if HAVE_F16
+    if (dtype == DTYPE_F16) return (float)((const _Float16 *)row)[q];
+#endif
+    return ((const float *)row)[q];
+}
+
+/* Element q of a row of `dtype` <- x rounded to nearest, ties to even (NaN stays a quiet NaN). */
+INLINE void store(char *row, int64_t q, float x, const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        uint32_t bits;
+        memcpy(&bits, &x, sizeof bits);
+        const uint16_t nan = 0x7fc0, rounded = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        ((uint16_t *)row)[q] = x != x ? nan : rounded;
+        return;
+    }
+#if HAVE_F16
+    if (dtype == DTYPE_F16) {
+        ((_Float16 *)row)[q] = (_Float16)x;
+        return;
+    }
+#endif
+    ((float *)row)[q] = x;
+}
+
+/* out (of out_dtype) <- x (of dtype) rotated by the angles of table rows rows[a * stride], one per axis.
+ * out may equal x. */
+INLINE void rotate(const char *x, char *out, const int32_t *rows, int64_t stride, const job_t *j,
+                   const int64_t half, const int dtype, const int out_dtype) {
     const float *c = j->tab_cos + rows[0] * half, *s = j->tab_sin + rows[0] * half;
     float cos_row[MAX_HALF], sin_row[MAX_HALF];
     if (j->A > 1) { /* M-RoPE: each section's pairs from its own axis's table row */
@@ -57,33 +105,33 @@ INLINE void rotate(const float *x, float *out, const int32_t *rows, int64_t stri
         s = sin_row;
     }
     for (int64_t q = 0; q < half; ++q) {
-        const float x1 = x[q], x2 = x[q + half];
-        out[q] = x1 * c[q] - x2 * s[q];
-        out[q + half] = x2 * c[q] + x1 * s[q];
+        const float x1 = load(x, q, dtype), x2 = load(x, q + half, dtype);
+        store(out, q, x1 * c[q] - x2 * s[q], out_dtype);
+        store(out, q + half, x2 * c[q] + x1 * s[q], out_dtype);
     }
 }
 
 /* Kept token: key from slot s rotated into slot d, value copied (d <= s). */
-INLINE void move(const job_t *j, float *kr, float *vr, int64_t s, int64_t d, const int32_t *rows,
-                 const int64_t half) {
-    const int64_t D = 2 * half, kt = j->kstride[3], vt = j->vstride[3];
+INLINE void move(const job_t *j, char *kr, char *vr, int64_t s, int64_t d, const int32_t *rows,
+                 const int64_t half, const int dtype) {
+    const int64_t size = element_size(dtype), kt = j->kstride[3] * size, vt = j->vstride[3] * size;
     int still = (s == d);
     for (int64_t a = 0; still && a < j->A; ++a) still = rows[a * j->n] == j->zero_row;
     if (still) return; /* same slot, zero delta: nothing changes */
-    rotate(kr + s * kt, kr + d * kt, rows, j->n, j, half);
-    if (s != d) memcpy(vr + d * vt, vr + s * vt, (size_t)D * sizeof(float));
+    rotate(kr + s * kt, kr + d * kt, rows, j->n, j, half, dtype, dtype);
+    if (s != d) memcpy(vr + d * vt, vr + s * vt, (size_t)(2 * half * size));
 }
 
-INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int64_t half) {
-    const int64_t D = 2 * half, A = j->A;
-    float *kr = j->k + l * j->kstride[0] + b * j->kstride[1] + h * j->kstride[2];
-    float *vr = j->v + l * j->vstride[0] + b * j->vstride[1] + h * j->vstride[2];
+INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int64_t half, const int dtype) {
+    const int64_t D = 2 * half, A = j->A, size = element_size(dtype);
+    char *kr = j->k + (l * j->kstride[0] + b * j->kstride[1] + h * j->kstride[2]) * size;
+    char *vr = j->v + (l * j->vstride[0] + b * j->vstride[1] + h * j->vstride[2]) * size;
     const int64_t *src = j->src + (l * j->B + b) * j->n;
     const int32_t *ktab = j->ktab + (l * j->B + b) * A * j->n;
     int64_t kept = 0;
     while (kept < j->n && src[kept] >= 0) ++kept;
     if (j->m == 0 || l < j->first) {
-        for (int64_t i = 0; i < kept; ++i) move(j, kr, vr, src[i], j->P + i, ktab + i, half);
+        for (int64_t i = 0; i < kept; ++i) move(j, kr, vr, src[i], j->P + i, ktab + i, half, dtype);
         return;
     }
     const int64_t deep = (l - j->first) * j->B + b;
@@ -95,15 +143,16 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
     memset(v_acc, 0, (size_t)D * sizeof(double));
     for (int64_t i = 0, p = 0; i < kept || p < j->m;) {
         if (p < j->m && (i == kept || pruned[p] < src[i])) {
-            const float *value = vr + pruned[p] * j->vstride[3];
-            rotate(kr + pruned[p] * j->kstride[3], turned, ptab + p, j->m, j, half);
+            const char *value = vr + pruned[p] * j->vstride[3] * size;
+            rotate(kr + pruned[p] * j->kstride[3] * size, (char *)turned, ptab + p, j->m, j, half, dtype,
+                   DTYPE_F32);
             for (int64_t c = 0; c < D; ++c) {
                 k_acc[c] += (double)turned[c];
-                v_acc[c] += (double)value[c];
+                v_acc[c] += (double)load(value, c, dtype);
             }
             ++p;
         } else {
-            move(j, kr, vr, src[i], j->P + i, ktab + i, half);
+            move(j, kr, vr, src[i], j->P + i, ktab + i, half, dtype);
             ++i;
         }
     }
@@ -111,29 +160,51 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
     memcpy(j->vsum + (deep * j->H + h) * D, v_acc, (size_t)D * sizeof(double));
 }
 
+/* One row walk per dtype, each compiled on its own; common head dims get a constant trip count, which the
+ * compiler unrolls and vectorises. */
+#define DEFINE_WALK(NAME, DTYPE)                                                                              \
+    static __attribute__((noinline)) void NAME(const job_t *j, int64_t l, int64_t b, int64_t h) {            \
+        const int64_t half = j->D / 2;                                                                     \
+        switch (half) {                                                                                    \
+        case 32: walk_row(j, l, b, h, 32, DTYPE); break;                                                   \
+        case 64: walk_row(j, l, b, h, 64, DTYPE); break;                                                   \
+        case 128: walk_row(j, l, b, h, 128, DTYPE); break;                                                 \
+        default: walk_row(j, l, b, h, half, DTYPE);                                                        \
+        }                                                                                                  \
+    }
+DEFINE_WALK(walk_f32, DTYPE_F32)
+DEFINE_WALK(walk_bf16, DTYPE_BF16)
+#if HAVE_F16
+DEFINE_WALK(walk_f16, DTYPE_F16)
+#endif
+
 static void *worker(void *arg) {
     const job_t *j = (const job_t *)arg;
-    const int64_t rows = j->L * j->B * j->H, half = j->D / 2;
+    const int64_t rows = j->L * j->B * j->H;
     for (int64_t r = j->worker; r < rows; r += j->threads) {
         const int64_t l = r / (j->B * j->H), b = (r / j->H) % j->B, h = r % j->H;
-        /* common head dims get a constant trip count, which the compiler unrolls and vectorises */
-        switch (half) {
-        case 32: walk_row(j, l, b, h, 32); break;
-        case 64: walk_row(j, l, b, h, 64); break;
-        case 128: walk_row(j, l, b, h, 128); break;
-        default: walk_row(j, l, b, h, half);
+        switch (j->dtype) {
+        case DTYPE_BF16: walk_bf16(j, l, b, h); break;
+#if HAVE_F16
+        case DTYPE_F16: walk_f16(j, l, b, h); break;
+#endif
+        default: walk_f32(j, l, b, h);
         }
     }
     return NULL;
 }
 
-/* Returns 0 on success, 1 for an unsupported head dim or axis count (nothing written), 2 if a worker thread
- * could not be joined. Rows of workers whose thread could not start run on the calling thread. */
-int hermes_compact_rows(float *k, float *v, const int64_t *shape, const int64_t *kstride, const int64_t *vstride,
-                        int64_t P, int64_t n, const int64_t *src, const int32_t *ktab, int64_t A,
-                        const int64_t *section, const float *tab_cos, const float *tab_sin, int32_t zero_row,
-                        int64_t first, int64_t m, const int64_t *pruned, const int32_t *ptab, double *ksum,
-                        double *vsum, int threads) {
+/* 1 when this build moves fp16 caches (the compiler has _Float16), else 0. */
+int hermes_compact_has_f16(void) { return HAVE_F16; }
+
+/* Returns 0 on success, 1 for an unsupported dtype, head dim or axis count (nothing written), 2 if a worker
+ * thread could not be joined. Rows of workers whose thread could not start run on the calling thread. */
+int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const int64_t *kstride,
+                        const int64_t *vstride, int64_t P, int64_t n, const int64_t *src, const int32_t *ktab,
+                        int64_t A, const int64_t *section, const float *tab_cos, const float *tab_sin,
+                        int32_t zero_row, int64_t first, int64_t m, const int64_t *pruned, const int32_t *ptab,
+                        double *ksum, double *vsum, int threads) {
+    if (dtype < 0 || dtype > 2 || (dtype == DTYPE_F16 && !HAVE_F16)) return 1;
     if (shape[3] % 2 || shape[3] / 2 > MAX_HALF || A < 1 || A > 3) return 1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -141,8 +212,9 @@ int hermes_compact_rows(float *k, float *v, const int64_t *shape, const int64_t 
     pthread_t ids[MAX_THREADS];
     int started = 0, status = 0;
     for (int t = 0; t < threads; ++t)
-        jobs[t] = (job_t){k, v, shape[0], shape[1], shape[2], shape[3], kstride, vstride, P, n, src, ktab, A,
-                          section, tab_cos, tab_sin, zero_row, first, m, pruned, ptab, ksum, vsum, threads, t};
+        jobs[t] = (job_t){(char *)k, (char *)v, dtype, shape[0], shape[1], shape[2], shape[3], kstride,
+                          vstride, P, n, src, ktab, A, section, tab_cos, tab_sin, zero_row, first, m, pruned,
+                          ptab, ksum, vsum, threads, t};
     for (int t = 1; t < threads; ++t) {
         if (pthread_create(&ids[t], NULL, worker, &jobs[t]) != 0) break;
         started = t;

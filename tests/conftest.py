@@ -19,6 +19,8 @@ def backend(request, monkeypatch):
     """Indirect `backend` parameter: "torch-ops" is the torch backend with its C row kernel switched off
     (HERMES_KERNELS_NATIVE=0), so both CPU movers of the compaction are tested; other names pass through."""
     if request.param == TORCH_OPS:
+        if DEVICE != "cpu":
+            pytest.skip("torch-ops is the torch backend itself on CUDA tensors (the C row kernel is CPU-only)")
         monkeypatch.setenv("HERMES_KERNELS_NATIVE", "0")
         return "torch"
     return request.param

@@ -17,7 +17,7 @@ import torch
 import hermes_kernels as hk
 from hermes import HermesConfig
 from hermes import reference as ref
-from hermes.rope import rotary_cos_sin
+from hermes.rope import mrope_axis_of_freq, rotary_cos_sin
 from tests.conftest import DEVICE, TORCH_OPS
 from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
 
@@ -427,6 +427,8 @@ NATIVE_CASES = [
     Case("llava_ov", 4, 3, 2, 128, 14, 45, 19, F32, None, "eager", True, "view"),
     Case("qwen2_5_vl", 4, 2, 3, 16, 3, 33, 10, F32, (2, 3, 3), "lazy-above", True, "contiguous"),
     Case("paper", 3, 1, 1, 64, 0, 27, 9, F32, None, "lazy-below", False, "view"),
+    Case("llava_ov", 4, 2, 2, 128, 14, 41, 17, BF16, None, "eager", True, "view"),
+    Case("qwen2_5_vl", 4, 1, 3, 128, 3, 37, 12, F16, (16, 24, 24), "eager", True, "contiguous"),
 ]
 
 
@@ -443,8 +445,8 @@ def require_c_compiler():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
 @pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: c.id)
-def test_fp32_cpu_caches_take_the_c_walk_and_torch_ops_when_switched_off(case, monkeypatch):
-    """backend="torch" on an fp32 CPU cache runs the C walk (the torch-ops mover would raise) and matches the
+def test_cpu_caches_take_the_c_walk_and_torch_ops_when_switched_off(case, monkeypatch):
+    """backend="torch" on an fp32/bf16/fp16 CPU cache runs the C walk (the torch-ops mover would raise) and matches the
     reference; with HERMES_KERNELS_NATIVE=0 the torch-ops mover runs instead (the C one would raise)."""
     require_c_compiler()
     with monkeypatch.context() as patch:
@@ -457,10 +459,10 @@ def test_fp32_cpu_caches_take_the_c_walk_and_torch_ops_when_switched_off(case, m
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
 def test_asking_for_the_c_walk_where_it_cannot_run_raises_before_writing(monkeypatch):
-    case = Case("llava_ov", 4, 1, 2, 64, 3, 20, 9, F16, None, "eager", True, "contiguous")
+    case = Case("llava_ov", 4, 1, 2, 64, 3, 20, 9, F64, None, "eager", True, "contiguous")
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=70)
     snapshot = [t.clone() for t in (keys, values, positions)]
-    with pytest.raises(RuntimeError, match="native: .*torch.float16"):
+    with pytest.raises(RuntimeError, match="native: .*torch.float64"):
         compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     with pytest.raises(RuntimeError, match=f"native: .*{native.ENV_SWITCH}=0"):
@@ -519,3 +521,46 @@ def test_counting_dense_rank_equals_the_sorting_one(spread, monkeypatch):
     assert torch.equal(got[valid.expand_as(values)], want[valid.expand_as(values)])
     assert len(calls) == (spread > 1), "the wide span should fall back to the sort, the narrow one count"
 
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+@pytest.mark.parametrize("section", [None, (2, 3, 3)])
+def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
+    """Bit-exact check of the C walk's arithmetic: with arbitrary cos/sin tables (no transcendental functions
+    involved), every kept key equals torch's fp32 x1·c − x2·s, x2·c + x1·s rounded to the cache dtype — each
+    product and sum rounded once, to nearest even — with each M-RoPE section's pairs from its own axis's row."""
+    require_c_compiler()
+    D = 16 if section else 64
+    case = Case("paper", 3, 2, 2, D, 4, 29, 13, dtype, section, "eager", False, "view")
+    cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=74)
+    g = torch.Generator().manual_seed(75)
+    seen = {}
+
+    def random_table(delta, inv_freq, work):
+        cos, sin, index, zero = real_table(delta, inv_freq, work)
+        cos, sin = torch.rand(cos.shape, generator=g) * 2 - 1, torch.rand(sin.shape, generator=g) * 2 - 1
+        cos[zero], sin[zero] = 1.0, 0.0  # slots that do not move keep their key: the identity
+        seen.update(cos=cos, sin=sin, index=index)
+        return cos, sin, index, zero
+
+    real_table = compact_module._angle_table
+    monkeypatch.setattr(compact_module, "_angle_table", random_table)
+    before = keys.clone()
+    compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
+
+    L, B, Hkv, n, half = case.L, case.B, case.Hkv, keep.shape[-1], D // 2
+    A = 1 if section is None else 3
+    index = seen["index"].view(L, B, A, n).long()
+    axis = torch.zeros(half, dtype=torch.long) if section is None else mrope_axis_of_freq(section)
+    pick = axis.view(1, 1, 1, 1, half).expand(L, B, 1, n, half)
+    cos = seen["cos"][index].gather(2, pick).squeeze(2).unsqueeze(2)  # [L, B, 1, n, half]
+    sin = seen["sin"][index].gather(2, pick).squeeze(2).unsqueeze(2)
+    src = (keep + case.P).view(L, B, 1, n, 1).expand(L, B, Hkv, n, D)
+    x = before.gather(3, src).float()
+    x1, x2 = x[..., :half], x[..., half:]
+    want = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+    got = keys[..., case.P:case.P + n, :]
+    assert torch.equal(got.view(torch.int16 if dtype != F32 else torch.int32),
+                       want.view(torch.int16 if dtype != F32 else torch.int32)), \
+        f"{(got.float() != want.float()).sum().item()} of {got.numel()} keys differ"
