@@ -1,6 +1,7 @@
 """Pick the Triton interpreter when there is no GPU: it must be set before triton is first imported."""
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -8,8 +9,6 @@ if not torch.cuda.is_available():
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-import pytest  # noqa: E402  (after the interpreter switch above)
 
 TORCH_OPS = "torch-ops"
 
