@@ -4,7 +4,7 @@ Every public op validates its inputs (via `hermes.validation`) before anything i
 one of two backends that implement the same contract as `hermes.reference`:
   "triton" — fused Triton kernels (CUDA tensors; CPU through TRITON_INTERPRET=1 for testing),
   "torch"  — vectorised PyTorch over layers and streams, no Python loop over layers, no host syncs; on CPU the
-             compaction of an fp32/bf16/fp16 cache moves its rows in one C pass (compact_cpu.c, see `compact.py`),
+             compaction of an fp32 or bf16 cache moves its rows in one C pass (compact_cpu.c, see `compact.py`),
   "auto"   — triton for CUDA tensors, torch otherwise.
 `compress_stacks` is the step for a cache whose layers are split into per-device stacks (`device_map` models): one
 selection and one re-index decision for all layers, then `compact` of each stack's layer range on its own device.

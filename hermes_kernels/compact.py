@@ -28,10 +28,10 @@ Two implementations of one contract, side by side:
       that walks the tokens left to right and moves/rotates K/V rows and accumulates the summary in registers.
   compact_torch  — the CPU path. The planning (new positions, deltas, pruned slots, summary targets) is torch ops
       over all layers and streams at once; the row work then takes one of two movers:
-      _rows_native — fp32/bf16/fp16 caches on CPU: one call of a C kernel (compact_cpu.c, built on first use by
+      _rows_native — fp32/bf16 caches on CPU: one call of a C kernel (compact_cpu.c, built on first use by
           `hermes_kernels.native`) that walks every (layer, stream, head) row left to right in place, like the
           Triton move kernel, reading each row once and writing each kept row once;
-      _rows_torch  — everything else (fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0):
+      _rows_torch  — everything else (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0):
           torch ops over all rows at once, looping only over L2-sized token tiles left to right.
       Why two: any torch-ops mover stages the rows through a gather buffer and writes them out again; at the
       LLaVA-OV-7B shape on a 2-core CPU the tiled gather and write-back of K and V alone, without any rotation,
@@ -219,7 +219,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     layers: the config's layers the tensors hold (L = len(layers); default all); compacted_flag: 0-dim bool on the
     cache's device that overrides the config's decision (default: `reindex_flag` of these positions).
     native: which mover does the row work: None (default) = the C kernel (`_rows_native`) whenever it applies
-    (CPU fp32/bf16/fp16 cache with contiguous rows, library built, not switched off by HERMES_KERNELS_NATIVE=0),
+    (CPU fp32/bf16 cache with contiguous rows, library built, not switched off by HERMES_KERNELS_NATIVE=0),
     else the torch ops (`_rows_torch`); False = the torch ops; True = the C kernel, or a RuntimeError saying why
     it cannot.
     Returns (P + min(budget, V), the flag used).
@@ -319,7 +319,7 @@ def _rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_freq,
     return sums
 
 
-_C_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtype codes of compact_cpu.c
+_C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype codes of compact_cpu.c
 
 
 def _native_blocker(keys: torch.Tensor, values: torch.Tensor) -> str | None:
@@ -330,10 +330,7 @@ def _native_blocker(keys: torch.Tensor, values: torch.Tensor) -> str | None:
         return f"the cache is {keys.dtype}, the C kernel takes {', '.join(map(str, _C_DTYPES))}"
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         return "a key or value row is not contiguous (stride of the last dim != 1)"
-    reason = native.unavailable_reason("compact_cpu")
-    if reason is None and keys.dtype == torch.float16 and not native.library("compact_cpu").hermes_compact_has_f16():
-        reason = "the C compiler has no _Float16, so the C kernel was built without fp16"
-    return reason
+    return native.unavailable_reason("compact_cpu")
 
 
 def _use_native(native_choice: bool | None, keys: torch.Tensor, values: torch.Tensor) -> bool:

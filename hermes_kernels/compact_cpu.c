@@ -9,9 +9,10 @@
  * values summed, keys rotated to the summary target and summed (double accumulators; the caller divides and
  * writes the summary slot). Every cached row is read at most once and every kept row written once.
  *
- * Cache dtypes fp32, bf16 and fp16 (the last where the compiler has _Float16). Arithmetic is fp32 as in the
- * reference: each element is widened exactly, rotated in fp32 and rounded once to the cache dtype (to nearest,
- * ties to even, as torch's conversions); values move as raw bytes.
+ * Cache dtypes fp32 and bf16 (fp16 stays with the torch ops: its scalar conversions here did not vectorise and
+ * ran slower than torch). Arithmetic is fp32 as in the reference: each element is widened exactly, rotated in
+ * fp32 and rounded once to the cache dtype (to nearest, ties to even, as torch's conversion); values move as raw
+ * bytes.
  * Rotation (rotate-half, §2.8): pair q couples channels q and q + D/2 and turns by the angle of its M-RoPE axis
  * (1D RoPE: one axis). cos/sin come from a table [R, D/2] that the caller computed with torch from the integer
  * deltas, so every angle is fp32(delta)·inv_freq exactly as in `hermes.rope`. Products and sums each round once
@@ -25,13 +26,7 @@
 #define MAX_HALF 512
 #define INLINE static inline __attribute__((always_inline))
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-
-#if defined(__FLT16_MAX__)
-#define HAVE_F16 1
-#else
-#define HAVE_F16 0
-#endif
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
 typedef struct {
     char *k, *v;
@@ -63,9 +58,6 @@ INLINE float load(const char *row, int64_t q, const int dtype) {
         memcpy(&x, &bits, sizeof x);
         return x;
     }
-#if HAVE_F16
-    if (dtype == DTYPE_F16) return (float)((const _Float16 *)row)[q];
-#endif
     return ((const float *)row)[q];
 }
 
@@ -78,12 +70,6 @@ INLINE void store(char *row, int64_t q, float x, const int dtype) {
         ((uint16_t *)row)[q] = x != x ? nan : rounded;
         return;
     }
-#if HAVE_F16
-    if (dtype == DTYPE_F16) {
-        ((_Float16 *)row)[q] = (_Float16)x;
-        return;
-    }
-#endif
     ((float *)row)[q] = x;
 }
 
@@ -174,9 +160,6 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
     }
 DEFINE_WALK(walk_f32, DTYPE_F32)
 DEFINE_WALK(walk_bf16, DTYPE_BF16)
-#if HAVE_F16
-DEFINE_WALK(walk_f16, DTYPE_F16)
-#endif
 
 static void *worker(void *arg) {
     const job_t *j = (const job_t *)arg;
@@ -185,17 +168,11 @@ static void *worker(void *arg) {
         const int64_t l = r / (j->B * j->H), b = (r / j->H) % j->B, h = r % j->H;
         switch (j->dtype) {
         case DTYPE_BF16: walk_bf16(j, l, b, h); break;
-#if HAVE_F16
-        case DTYPE_F16: walk_f16(j, l, b, h); break;
-#endif
         default: walk_f32(j, l, b, h);
         }
     }
     return NULL;
 }
-
-/* 1 when this build moves fp16 caches (the compiler has _Float16), else 0. */
-int hermes_compact_has_f16(void) { return HAVE_F16; }
 
 /* Returns 0 on success, 1 for an unsupported dtype, head dim or axis count (nothing written), 2 if a worker
  * thread could not be joined. Rows of workers whose thread could not start run on the calling thread. */
@@ -204,7 +181,7 @@ int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const
                         int64_t A, const int64_t *section, const float *tab_cos, const float *tab_sin,
                         int32_t zero_row, int64_t first, int64_t m, const int64_t *pruned, const int32_t *ptab,
                         double *ksum, double *vsum, int threads) {
-    if (dtype < 0 || dtype > 2 || (dtype == DTYPE_F16 && !HAVE_F16)) return 1;
+    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     if (shape[3] % 2 || shape[3] / 2 > MAX_HALF || A < 1 || A > 3) return 1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
