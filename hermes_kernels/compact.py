@@ -384,11 +384,11 @@ def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq
     kernel = native.library("compact_cpu").hermes_compact_rows
     ptr = ctypes.c_void_p
     status = kernel(ptr(keys.data_ptr()), ptr(values.data_ptr()), ctypes.c_int(_C_DTYPES[keys.dtype]),
-                    ptr(shape.data_ptr()), ptr(kstride.data_ptr()),
-                    ptr(vstride.data_ptr()), ctypes.c_int64(P), ctypes.c_int64(src.shape[-1]), ptr(src.data_ptr()),
-                    ptr(ktab.data_ptr()), ctypes.c_int64(A), ptr(section.data_ptr()), ptr(cos.data_ptr()),
-                    ptr(sin.data_ptr()), ctypes.c_int32(zero), ctypes.c_int64(first), ctypes.c_int64(m),
-                    ptr(pruned.data_ptr()), ptr(ptab.data_ptr()), ptr(sums[0].data_ptr()), ptr(sums[1].data_ptr()),
+                    ptr(shape.data_ptr()), ptr(kstride.data_ptr()), ptr(vstride.data_ptr()),
+                    ctypes.c_int64(P), ctypes.c_int64(src.shape[-1]), ptr(src.data_ptr()), ptr(ktab.data_ptr()),
+                    ctypes.c_int64(A), ptr(section.data_ptr()), ptr(cos.data_ptr()), ptr(sin.data_ptr()),
+                    ctypes.c_int32(zero), ctypes.c_int64(first), ctypes.c_int64(m), ptr(pruned.data_ptr()),
+                    ptr(ptab.data_ptr()), ptr(sums[0].data_ptr()), ptr(sums[1].data_ptr()),
                     ctypes.c_int(torch.get_num_threads()))
     if status != 0:
         raise RuntimeError(f"compact_cpu.c: hermes_compact_rows returned {status} "
