@@ -43,14 +43,20 @@ def _build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     if compiler is None:
         return None, "no C compiler found ($CC, cc, gcc, clang)"
     source = _SOURCE_DIR / f"{name}.c"
-    with tempfile.TemporaryDirectory(prefix="hermes_kernels_") as folder:
+    with tempfile.TemporaryDirectory(prefix="hermes_kernels_", ignore_cleanup_errors=True) as folder:
         target = Path(folder) / f"{name}.so"
         errors = ""
         for arch in (["-march=native"], []):
-            done = subprocess.run([compiler, *_FLAGS, *arch, str(source), "-o", str(target)],
-                                  capture_output=True, text=True)
+            try:
+                done = subprocess.run([compiler, *_FLAGS, *arch, str(source), "-o", str(target)],
+                                      capture_output=True, text=True)
+            except OSError as exc:
+                return None, f"running {compiler} failed: {exc}"
             if done.returncode == 0:
-                return ctypes.CDLL(str(target)), None
+                try:
+                    return ctypes.CDLL(str(target)), None
+                except OSError as exc:  # e.g. a temporary folder mounted noexec
+                    return None, f"loading the built {target.name} failed: {exc}"
             errors = done.stderr.strip()
     return None, f"{compiler} failed on {source.name}: {errors[-500:]}"
 

@@ -565,3 +565,29 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     assert torch.equal(got.view(torch.int16 if dtype != F32 else torch.int32),
                        want.view(torch.int16 if dtype != F32 else torch.int32)), \
         f"{(got.float() != want.float()).sum().item()} of {got.numel()} keys differ"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+def test_a_failing_build_or_load_falls_back_with_its_reason(monkeypatch, tmp_path):
+    """A compiler that rejects the source, or a library that cannot be loaded, leaves the torch ops in charge
+    with the reason on record, and no exception reaches the caller."""
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: no such luck' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    native._build.cache_clear()
+    try:
+        assert native.library("compact_cpu") is None
+        assert "no such luck" in native.unavailable_reason("compact_cpu")
+        monkeypatch.setattr(compact_module, "_rows_native", refuse)
+        run_case(NATIVE_CASES[0], "torch", seed=76)
+        native._build.cache_clear()
+        monkeypatch.delenv("CC")
+
+        def unloadable(path):
+            raise OSError(f"{path}: failed to map segment from shared object")
+        monkeypatch.setattr(native.ctypes, "CDLL", unloadable)
+        assert native.library("compact_cpu") is None
+        assert "failed to map segment" in native.unavailable_reason("compact_cpu")
+    finally:
+        native._build.cache_clear()
