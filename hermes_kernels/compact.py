@@ -340,8 +340,8 @@ def _use_native(native_choice: bool | None, keys: torch.Tensor, values: torch.Te
     return blocker is None if native_choice is None else native_choice
 
 
-def _angle_table(delta: torch.Tensor, inv_freq: torch.Tensor, work: torch.dtype):
-    """cos, sin [R, D/2] of the distinct integer deltas, each row's table index (int32, delta's shape) and the row
+def _angle_table(delta: torch.Tensor, inv_freq: torch.Tensor):
+    """cos, sin float32 [R, D/2] (what the C kernel reads) of the distinct integer deltas, each row's table index (int32, delta's shape) and the row
     of delta 0 (-1 if none). CPU only: the table size is read from the data.
 
     Rows cover the range min..max when that is no longer than the deltas themselves (the usual case: a step's
@@ -357,7 +357,7 @@ def _angle_table(delta: torch.Tensor, inv_freq: torch.Tensor, work: torch.dtype)
         values, index = torch.unique(flat, sorted=True, return_inverse=True)
         at = int(torch.searchsorted(values, 0))
         zero = at if at < values.numel() and int(values[at]) == 0 else -1
-    cos, sin = rotary_cos_sin(values, inv_freq, None, work)
+    cos, sin = rotary_cos_sin(values, inv_freq, None, torch.float32)
     return cos.contiguous(), sin.contiguous(), index.to(torch.int32).view(delta.shape), zero
 
 
@@ -367,7 +367,7 @@ def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq
     L, B, Hkv, N, D = keys.shape
     A = delta.shape[2]
     deltas = delta.reshape(-1) if pruned is None else torch.cat([delta.reshape(-1), to_target.reshape(-1)])
-    cos, sin, rows, zero = _angle_table(deltas, inv_freq, torch.float32)
+    cos, sin, rows, zero = _angle_table(deltas, inv_freq)
     ktab = rows[:delta.numel()].contiguous()
     section = torch.tensor([D // 2] if mrope_section is None else list(mrope_section), dtype=torch.int64)
     if pruned is None:

@@ -436,6 +436,15 @@ def refuse(*args, **kwargs):
     raise AssertionError("this mover must not run here")
 
 
+@pytest.fixture
+def fresh_build():
+    """Forget the built library before and after the test, so a patched compiler takes effect and the next
+    test builds the real one again."""
+    native._build.cache_clear()
+    yield
+    native._build.cache_clear()
+
+
 def require_c_compiler():
     reason = native.unavailable_reason("compact_cpu")
     if reason is not None and reason.startswith("no C compiler"):
@@ -474,16 +483,12 @@ def test_asking_for_the_c_walk_where_it_cannot_run_raises_before_writing(dtype, 
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
-def test_without_a_compiler_the_torch_ops_mover_runs(monkeypatch):
+def test_without_a_compiler_the_torch_ops_mover_runs(monkeypatch, fresh_build):
     monkeypatch.setattr(native, "_compiler", lambda: None)
-    native._build.cache_clear()
-    try:
-        assert native.library("compact_cpu") is None
-        assert native.unavailable_reason("compact_cpu").startswith("no C compiler")
-        monkeypatch.setattr(compact_module, "_rows_native", refuse)
-        run_case(NATIVE_CASES[0], "torch", seed=71)
-    finally:
-        native._build.cache_clear()  # the next test builds the real library again
+    assert native.library("compact_cpu") is None
+    assert native.unavailable_reason("compact_cpu").startswith("no C compiler")
+    monkeypatch.setattr(compact_module, "_rows_native", refuse)
+    run_case(NATIVE_CASES[0], "torch", seed=71)
 
 
 @pytest.mark.parametrize("spread", ["narrow", "wide"])
@@ -496,13 +501,13 @@ def test_angle_table_rows_equal_the_per_token_angles(spread):
     delta = torch.randint(-40, 25, (3, 2, 1, 17), generator=g) * scale
     delta[0, 0, 0, 5] = 0
     inv_freq = inv_freq_for(64)
-    cos, sin, index, zero = compact_module._angle_table(delta, inv_freq, torch.float32)
+    cos, sin, index, zero = compact_module._angle_table(delta, inv_freq)
     assert index.dtype == torch.int32 and index.shape == delta.shape
     assert cos.shape[0] <= (65 if spread == "narrow" else delta.numel())
     want_cos, want_sin = rotary_cos_sin(delta, inv_freq)
     assert torch.equal(cos[index.long()], want_cos) and torch.equal(sin[index.long()], want_sin)
     assert zero >= 0 and torch.equal(cos[zero], torch.ones(32)) and torch.equal(sin[zero], torch.zeros(32))
-    _, _, _, none = compact_module._angle_table(delta.abs() + 1, inv_freq, torch.float32)  # no row for 0
+    _, _, _, none = compact_module._angle_table(delta.abs() + 1, inv_freq)  # no row for 0
     assert none == -1
 
 
@@ -523,7 +528,6 @@ def test_counting_dense_rank_equals_the_sorting_one(spread, monkeypatch):
     assert len(calls) == (spread > 1), "the wide span should fall back to the sort, the narrow one count"
 
 
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("section", [None, (2, 3, 3)])
@@ -538,8 +542,8 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     g = torch.Generator().manual_seed(75)
     seen = {}
 
-    def random_table(delta, inv_freq, work):
-        cos, sin, index, zero = real_table(delta, inv_freq, work)
+    def random_table(delta, inv_freq):
+        cos, sin, index, zero = real_table(delta, inv_freq)
         cos, sin = torch.rand(cos.shape, generator=g) * 2 - 1, torch.rand(sin.shape, generator=g) * 2 - 1
         cos[zero], sin[zero] = 1.0, 0.0  # slots that do not move keep their key: the identity
         seen.update(cos=cos, sin=sin, index=index)
@@ -555,8 +559,8 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     index = seen["index"].view(L, B, A, n).long()
     axis = torch.zeros(half, dtype=torch.long) if section is None else mrope_axis_of_freq(section)
     pick = axis.view(1, 1, 1, 1, half).expand(L, B, 1, n, half)
-    cos = seen["cos"][index].gather(2, pick).squeeze(2).unsqueeze(2)  # [L, B, 1, n, half]
-    sin = seen["sin"][index].gather(2, pick).squeeze(2).unsqueeze(2)
+    cos = seen["cos"][index].gather(2, pick)  # [L, B, 1, n, half]
+    sin = seen["sin"][index].gather(2, pick)
     src = (keep + case.P).view(L, B, 1, n, 1).expand(L, B, Hkv, n, D)
     x = before.gather(3, src).float()
     x1, x2 = x[..., :half], x[..., half:]
@@ -568,26 +572,23 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
-def test_a_failing_build_or_load_falls_back_with_its_reason(monkeypatch, tmp_path):
+def test_a_failing_build_or_load_falls_back_with_its_reason(monkeypatch, tmp_path, fresh_build):
     """A compiler that rejects the source, or a library that cannot be loaded, leaves the torch ops in charge
     with the reason on record, and no exception reaches the caller."""
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: no such luck' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
-    native._build.cache_clear()
-    try:
-        assert native.library("compact_cpu") is None
-        assert "no such luck" in native.unavailable_reason("compact_cpu")
-        monkeypatch.setattr(compact_module, "_rows_native", refuse)
-        run_case(NATIVE_CASES[0], "torch", seed=76)
-        native._build.cache_clear()
-        monkeypatch.delenv("CC")
+    assert native.library("compact_cpu") is None
+    assert "no such luck" in native.unavailable_reason("compact_cpu")
+    monkeypatch.setattr(compact_module, "_rows_native", refuse)
+    run_case(NATIVE_CASES[0], "torch", seed=76)
 
-        def unloadable(path):
-            raise OSError(f"{path}: failed to map segment from shared object")
-        monkeypatch.setattr(native.ctypes, "CDLL", unloadable)
-        assert native.library("compact_cpu") is None
-        assert "failed to map segment" in native.unavailable_reason("compact_cpu")
-    finally:
-        native._build.cache_clear()
+    native._build.cache_clear()
+    monkeypatch.delenv("CC")
+
+    def unloadable(path):
+        raise OSError(f"{path}: failed to map segment from shared object")
+    monkeypatch.setattr(native.ctypes, "CDLL", unloadable)
+    assert native.library("compact_cpu") is None
+    assert "failed to map segment" in native.unavailable_reason("compact_cpu")
