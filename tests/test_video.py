@@ -42,6 +42,7 @@ def test_variable_rate_takes_the_frame_on_screen():
 def test_sampling_counts_from_the_first_frame_and_skips_non_increasing_times():
     assert sampled([10.0, 10.5, 11.0, 12.0], 1) == [(0, 0), (1, 2), (2, 3)]
     assert sampled([0.0, 0.5, 0.5, 0.25, 1.0], 1) == [(0, 0), (1, 4)]
+    assert sampled([0.0, 0.5, 0.4, 1.2], 1) == [(0, 0), (1, 1)]      # 0.4 after 0.5 is never on screen
     assert sampled([], 1) == []
     assert sampled([7.0], 1) == [(0, 0)]
 
