@@ -102,23 +102,32 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
     return LoadedModel(model=model, processor=load_processor(path, family), family=family, path=path, device=device)
 
 
-def build_stream(loaded: LoadedModel, *, policy: str, budget: int, chunk_frames: int,
-                 frame_size: tuple[int, int] | None):
-    """The one place the CLI builds a stream, so the KV-cache policy is chosen here: "hermes" is
-    HermesStream's own; another policy is handed to HermesStream(policy=...) once it takes that argument,
-    and refused with a ValueError before then."""
+def policy_kwargs(policy: str) -> dict:
+    """HermesStream keyword arguments that select the KV-cache `policy`: the one place the CLI maps a policy
+    to the stream. "hermes" is HermesStream's own (no argument); another policy goes as policy=... once
+    HermesStream takes that argument, and is refused with a ValueError before then."""
     from hermes.stream import HermesStream
 
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
-    kwargs = dict(budget=budget, chunk_frames=chunk_frames, frame_size=frame_size)
-    if policy != "hermes":
-        if "policy" not in inspect.signature(HermesStream).parameters:
-            raise ValueError(f"policy: {policy!r} is not available in this build (HermesStream has no policy "
-                             "argument yet); use --policy hermes")
-        kwargs["policy"] = policy
+    if policy == "hermes":
+        return {}
+    if "policy" not in inspect.signature(HermesStream).parameters:
+        raise ValueError(f"policy: {policy!r} is not available in this build (HermesStream has no policy argument "
+                         "yet); use --policy hermes")
+    return {"policy": policy}
+
+
+def build_stream(loaded: LoadedModel, *, policy: str, budget: int, chunk_frames: int,
+                 frame_size: tuple[int, int] | None):
+    """The stream for one video: HermesStream with `policy_kwargs(policy)`; a configuration the model cannot
+    hold (e.g. a budget past its positions) is a ValueError naming budget and chunk_frames."""
+    from hermes.stream import HermesStream
+
+    kwargs = policy_kwargs(policy)
     try:
-        return HermesStream(loaded.model, loaded.processor, **kwargs)
+        return HermesStream(loaded.model, loaded.processor, budget=budget, chunk_frames=chunk_frames,
+                            frame_size=frame_size, **kwargs)
     except ValueError as err:
         raise ValueError(f"cannot build the stream with budget={budget}, chunk_frames={chunk_frames}: {err}") \
             from err
@@ -190,8 +199,7 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     _positive_int("chunk_frames", chunk_frames)
     _positive_int("budget", budget)
     _positive_int("max_new_tokens", max_new_tokens)
-    if policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    policy_kwargs(policy)  # an unknown or unavailable policy fails before anything loads
     schedule = sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0])
     if not os.path.isfile(os.fspath(video)):
         raise FileNotFoundError(f"video: no such file: {os.fspath(video)}")
@@ -209,7 +217,11 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
         emit({"type": "answer", "question": question, "answer": answer.strip(), "at": seen,
               "latency_ms": 1000 * (time.perf_counter() - start)})
 
-    family, processor = loaded.family, loaded.processor
+    def prepare(chunk) -> tuple[dict, float]:
+        start = time.perf_counter()
+        inputs = loaded.family.prepare_frames(loaded.processor, chunk.frames, fps)
+        return inputs, 1000 * (time.perf_counter() - start)
+
     with VideoReader(video) as reader:
         chunks = reader.chunks(fps, chunk_frames)
         first = next(chunks, None)
@@ -217,11 +229,9 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
             sampled = 0 if first is None else len(first.times)
             raise ValueError(f"video: {sampled} frames sampled at {fps:g} fps, fewer than one chunk of "
                              f"{chunk_frames}; lower --chunk-frames or raise --fps")
-        start = time.perf_counter()
-        inputs = family.prepare_frames(processor, first.frames, fps)
-        prepare_ms = 1000 * (time.perf_counter() - start)
+        prepared = prepare(first)
         stream = build_stream(loaded, policy=policy, budget=budget, chunk_frames=chunk_frames,
-                              frame_size=family.frame_size(loaded.model, inputs))
+                              frame_size=loaded.family.frame_size(loaded.model, prepared[0]))
         duration = reader.duration
         total = None if duration is None else -(-(int(duration * fps) + 1) // chunk_frames)
         bar = tqdm(total=total, unit="chunk", file=sys.stderr, disable=not progress, dynamic_ncols=True)
@@ -229,10 +239,7 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
         seen = 0.0
         try:
             for chunk in itertools.chain([first], chunks):
-                if chunk is not first:
-                    start = time.perf_counter()
-                    inputs = family.prepare_frames(processor, chunk.frames, fps)
-                    prepare_ms = 1000 * (time.perf_counter() - start)
+                inputs, prepare_ms = prepared if chunk is first else prepare(chunk)
                 _sync(loaded.device)
                 start = time.perf_counter()
                 step = stream.append_video(**inputs)
@@ -259,16 +266,15 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     return records
 
 
-def terminal_questions(stream=None, prompt=None) -> Iterable[str]:
-    """Questions typed on `stream` (stdin), one a line, until end of input or an empty line; a prompt goes
-    to stderr when the input is a terminal."""
-    stream = sys.stdin if stream is None else stream
-    if prompt is None:
-        prompt = stream.isatty()
+def terminal_questions(source=None) -> Iterable[str]:
+    """Questions typed on `source` (default stdin), one a line, until end of input or an empty line; a prompt
+    goes to stderr when the input is a terminal."""
+    source = sys.stdin if source is None else source
+    prompt = source.isatty()
     while True:
         if prompt:
             print("question> ", end="", file=sys.stderr, flush=True)
-        line = stream.readline()
+        line = source.readline()
         if not line.strip():
             return
         yield line.strip()

@@ -33,7 +33,7 @@ from hermes.models.llava_ov import LlavaOneVisionPilVideoProcessor
 from hermes.models.processing import load_processor
 from hermes.models.qwen2_5_vl import Qwen2_5_VLPilVideoProcessor
 from hermes.stream import HermesStream
-from tests.video_files import HEIGHT, WIDTH, decode_all, frame_image, frame_index, write_video
+from tests.video_files import HEIGHT, WIDTH, decode_all, frame_index, write_video
 
 FAMILIES = ("llava_onevision", "qwen2_5_vl")
 QUESTION = "what is the person holding ?"
