@@ -312,6 +312,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in tokens (default 64)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of torch (default: torch's choice; 1 avoids OpenMP spin-waits on a busy machine)")
     p.add_argument("--json", action="store_true",
                    help="one JSON record per line on stdout: {\"type\": \"chunk\", ...} per chunk, "
                         "{\"type\": \"answer\", ...} per answer")
@@ -343,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         transformers_logging.disable_progress_bar()
     questions = args.question or (terminal_questions() if not args.ask_at else ())
     try:
+        if args.threads is not None:
+            torch.set_num_threads(_positive_int("threads", args.threads))
         run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
             chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, device=args.device,
             dtype=args.dtype, max_new_tokens=args.max_new_tokens,

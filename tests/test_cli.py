@@ -47,8 +47,8 @@ TIMINGS = ("prepare_ms", "latency_ms")
 
 @pytest.fixture(autouse=True)
 def single_thread():
-    """One intra-op thread: the same float sums as the subprocess (OMP_NUM_THREADS=1), and no OpenMP spin on a
-    shared runner."""
+    """One intra-op thread: the same float sums as the subprocess (--threads 1), and no OpenMP spin on a shared
+    runner."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -272,10 +272,10 @@ def test_run_matches_hermes_stream_driven_directly(family, loaded, videos, runs)
 def test_command_json_in_a_subprocess(checkpoints, videos, runs):
     """`python -m hermes ... --json`: exit 0, every stdout line a JSON record, the same records as `run` (and
     so as HermesStream driven directly); the progress bar went to stderr."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, "-m", "hermes", "--model", checkpoints["llava_onevision"], "--video", videos["cfr"],
                "--question", QUESTION, "--ask-at", f"5s:{EARLY}", "--fps", "1", "--chunk-frames", "4", "--budget",
-               "20", "--max-new-tokens", "6", "--device", "cpu", "--json"]
+               "20", "--max-new-tokens", "6", "--device", "cpu", "--threads", "1", "--json"]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "chunk" in done.stderr
@@ -364,6 +364,7 @@ def bad_inputs(tmp_path_factory, videos):
     ("bad ask-at", ["--ask-at", "soon:what ?"], r"ask_at: expected TIME:question"),
     ("policy not in this build", ["--policy", "h2svc"], r"policy: 'h2svc' is not available in this build"),
     ("unknown device", ["--device", "tpu"], r"device: expected"),
+    ("bad threads", ["--threads", "0"], r"threads: expected a positive int"),
 ])
 def test_bad_input_is_one_clear_line(case, args, message, checkpoints, videos, bad_inputs, capsys):
     paths = {**bad_inputs, **videos}
