@@ -29,6 +29,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -281,16 +282,21 @@ def terminal_questions(source=None) -> Iterable[str]:
 
 
 def parser() -> argparse.ArgumentParser:
+    def wrap(text: str) -> str:
+        return textwrap.fill(text, width=100)
+
     p = argparse.ArgumentParser(
         prog="python -m hermes",
-        description="Stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES KV cache (memory "
-                    "stays at the budget however long the video) and answer questions about it.",
-        epilog="Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes "
-               "their time; with neither, questions are read from stdin, one a line, until an empty line or "
-               "end of input. Output: answers on stdout (with --json one JSON record per chunk and per answer); "
-               "progress on stderr. Exit status 0, 1 on an error (one line on stderr), 2 for a bad command line.\n"
-               "Example: python -m hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 "
-               "--ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\"",
+        description=wrap("Stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES KV cache (memory "
+                         "stays at the budget however long the video) and answer questions about it."),
+        epilog="\n\n".join([
+            wrap("Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes "
+                 "their time; with neither, questions are read from stdin, one a line, until an empty line or end "
+                 "of input."),
+            wrap("Output: answers on stdout (with --json one JSON record per chunk and per answer); progress on "
+                 "stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command line."),
+            "Example:\n  python -m hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
+            "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="PATH",
                    help="local checkpoint folder (config.json, weights, tokenizer, processor configs) of a "
@@ -317,7 +323,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="one JSON record per line on stdout: {\"type\": \"chunk\", ...} per chunk, "
                         "{\"type\": \"answer\", ...} per answer")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (model loading, stream)")
     p.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     return p
 

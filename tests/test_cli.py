@@ -307,6 +307,20 @@ def test_text_output_with_questions_from_the_terminal(checkpoints, videos, capsy
     assert len(out) == 4 and all(line.strip().startswith("A:") for line in out[1::2])
 
 
+@pytest.mark.parametrize("item,expected", [
+    ("1:30:Who is speaking?", (90, "Who is speaking?")), ("30s: what ?", (30, "what ?")), ("1:02:03:q", (3723, "q")),
+    ("12.5:a:b", (12.5, "a:b")), ((12.5, " q "), (12.5, "q")), (("1:30", "q"), (90, "q"))])
+def test_parse_ask_at(item, expected):
+    assert cli.parse_ask_at(item) == expected
+
+
+@pytest.mark.parametrize("item", ["what ?", "30s:", "30s:  ", "soon:q", (-1, "q"), (float("nan"), "q"),
+                                  (float("inf"), "q"), (3, ""), (1, 2, 3)])
+def test_parse_ask_at_rejects(item):
+    with pytest.raises(ValueError, match="ask_at|question|time"):
+        cli.parse_ask_at(item)
+
+
 def test_policy_goes_to_the_stream_once_it_takes_one(loaded, monkeypatch):
     """--policy is routed through build_stream: refused while HermesStream has no policy argument, handed over
     as policy=... once it has."""
