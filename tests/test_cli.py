@@ -25,6 +25,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from transformers.utils import is_torchvision_available
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
+import hermes.models.processing
 import hermes.stream
 from bench.tiny_models import TINY_QWEN_PIXELS, save_tiny_checkpoint
 from hermes import cli
@@ -194,7 +195,7 @@ def test_qwen_twin_settings_follow_the_video_processors_init(loaded):
 def test_load_processor_takes_autoprocessor_when_torchvision_imports(checkpoints, monkeypatch):
     """The GPU path: with torchvision the checkpoint's own processor (AutoProcessor) is used as is."""
     loaded_from = []
-    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: True)
+    monkeypatch.setattr(hermes.models.processing, "is_torchvision_available", lambda: True)
     monkeypatch.setattr(AutoProcessor, "from_pretrained", lambda path: loaded_from.append(path) or "real")
     assert load_processor(checkpoints["qwen2_5_vl"], family_of_type("qwen2_5_vl")) == "real"
     assert loaded_from == [checkpoints["qwen2_5_vl"]]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
 from hermes.config import HermesConfig

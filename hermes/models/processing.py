@@ -18,6 +18,10 @@ import os
 
 import numpy as np
 import torch
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers.image_utils import ChannelDimension, SizeDict
+from transformers.utils import is_torchvision_available
+from transformers.video_processing_utils import BaseVideoProcessor
 
 
 @dataclasses.dataclass
@@ -43,8 +47,6 @@ class PilVideoProcessor:
     off_flags: tuple[str, ...] = ("do_sample_frames",)
 
     def __init__(self, image_processor, config: dict | None = None):
-        from transformers.image_utils import SizeDict
-
         if getattr(image_processor, "backend", None) != "pil":
             raise TypeError(f"image_processor: expected a PIL-backend image processor, got "
                             f"{type(image_processor).__name__}")
@@ -70,8 +72,6 @@ class PilVideoProcessor:
 
     def frames(self, video: np.ndarray) -> np.ndarray:
         """float32 [F, C, H', W'] from uint8 [F, H, W, C] frames (or a list of [H, W, C] frames)."""
-        from transformers.image_utils import ChannelDimension
-
         processor = self.image_processor
         out = []
         for frame in video:
@@ -110,10 +110,6 @@ class PilVideoProcessor:
 def load_processor(path: str | os.PathLike, family):
     """The checkpoint's processor: `AutoProcessor` when torchvision imports, else `Processor` with the tokenizer
     (`AutoTokenizer`) and the family's `PilVideoProcessor` over the PIL image processor (`AutoImageProcessor`)."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
-    from transformers.utils import is_torchvision_available
-    from transformers.video_processing_utils import BaseVideoProcessor
-
     if is_torchvision_available():
         return AutoProcessor.from_pretrained(path)
     config, _ = BaseVideoProcessor.get_video_processor_dict(os.fspath(path))
