@@ -17,8 +17,8 @@ import torch
 from ..validation import CACHE_DTYPES, SCORE_DTYPES, check_rotary, check_same_device, check_tensor
 from .config import EPISODIC, H2SVCConfig, class_counts, class_id
 
-__all__ = ["check_config", "check_frame_features", "check_stce", "check_fifo", "check_h2svc_step",
-           "check_attention_profile", "check_tad_pair", "check_head_scores"]
+__all__ = ["check_config", "check_frame_features", "check_trajectory", "check_stce", "check_fifo",
+           "check_h2svc_step", "check_attention_profile", "check_tad_pair", "check_head_scores"]
 
 
 def _int(name: str, value, minimum: int) -> int:
@@ -74,6 +74,20 @@ def check_frame_features(values, tokens_per_frame) -> int:
     if N % T_f:
         raise ValueError(f"values: {N} tokens are not a whole number of frames of tokens_per_frame={T_f}")
     return N // T_f
+
+
+def check_trajectory(features, times) -> None:
+    """Inputs of `stce_scores`: features float32/float64 [n, D] finite, times int64 [n] strictly increasing."""
+    check_tensor("features", features, (2,), SCORE_DTYPES, "[n, D] float32")
+    check_tensor("times", times, (1,), (torch.int64,), "[n] int64")
+    check_same_device("times", times, "features", features)
+    if features.shape[0] < 1 or features.shape[1] < 1:
+        raise ValueError(f"features: expected [n, D] with n, D >= 1, got {tuple(features.shape)}")
+    if times.numel() != features.shape[0]:
+        raise ValueError(f"times: expected [n={features.shape[0]}] int64 like features, got {tuple(times.shape)}")
+    if bool((times[1:] <= times[:-1]).any()):
+        raise ValueError(f"times: stream frame indices must increase strictly, got {times.tolist()}")
+    _check_finite("features", features, "the frame features")
 
 
 def check_stce(features, frames, arriving, first_frame, capacity, contents: bool | None = None) -> int:
