@@ -240,7 +240,7 @@ class _Trajectory:
         while node != self.newest:
             score = self.score[node]
             if best < 0 or score < best_score:
-                best, best_score, second = node, score, (best_score if best >= 0 else math.inf)
+                best, best_score, second = node, score, best_score
             elif score < second:
                 second = score
             node = self.next[node]
