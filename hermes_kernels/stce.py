@@ -173,19 +173,34 @@ def _pick(vector, lanes, lane):
 
 
 @triton.jit
+def _score(d_in, d_out, d_pn, gap):
+    """I(j) from d2(j, p), d2(j, n), d2(p, n) and t_n - t_p, as `_curvature_torch` (IEEE sqrt and division: the
+    fast approximate ones of fp32 would move scores by more than torch's rounding)."""
+    if d_in.dtype == tl.float64:
+        norm_in = tl.sqrt(d_in)
+        norm_out = tl.sqrt(d_out)
+    else:
+        norm_in = tl.sqrt_rn(d_in)
+        norm_out = tl.sqrt_rn(d_out)
+    norms = norm_in * norm_out
+    dot = 0.5 * (d_pn - d_in - d_out)
+    safe = tl.where(norms > 0, norms, 1.0)
+    if d_in.dtype == tl.float64:
+        ratio = dot / safe
+    else:
+        ratio = tl.div_rn(dot, safe)
+    cos = tl.minimum(tl.maximum(tl.where(norms > 0, ratio, 0.0), -1.0), 1.0)
+    return (1.0 - cos) * tl.minimum(norm_in, norm_out) * tl.log(gap.to(d_in.dtype))
+
+
+@triton.jit
 def _curvature(d2_row, times, lanes, j, p, n, M, ok):
-    """I(j) with neighbours p, n (scalars), reading d2(j, p), d2(j, n), d2(p, n); any value where not `ok`."""
+    """I(j) with neighbours p, n (scalar lanes), reading d2(j, p), d2(j, n), d2(p, n); any value where not `ok`."""
     d_in = tl.load(d2_row + j * M + p, mask=ok, other=0.0)
     d_out = tl.load(d2_row + j * M + n, mask=ok, other=0.0)
     d_pn = tl.load(d2_row + p * M + n, mask=ok, other=0.0)
     gap = tl.where(ok, _pick(times, lanes, n) - _pick(times, lanes, p), 1)
-    norm_in = tl.sqrt_rn(d_in)
-    norm_out = tl.sqrt_rn(d_out)
-    norms = norm_in * norm_out
-    dot = 0.5 * (d_pn - d_in - d_out)
-    cos = tl.where(norms > 0, tl.div_rn(dot, tl.where(norms > 0, norms, 1.0)), 0.0)
-    cos = tl.minimum(tl.maximum(cos, -1.0), 1.0)
-    return (1.0 - cos) * tl.minimum(norm_in, norm_out) * tl.log(gap.to(d_in.dtype))
+    return _score(d_in, d_out, d_pn, gap)
 
 
 def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -214,13 +229,7 @@ def _stce_kernel(d2_ptr, times_ptr, out_ptr, W, F, capacity,
     d_pn = tl.load(d2_row + (lanes - 1) * M + lanes + 1, mask=inner, other=0.0)
     t_prev = tl.load(times_ptr + row.to(tl.int64) * M + lanes - 1, mask=inner, other=0)
     t_next = tl.load(times_ptr + row.to(tl.int64) * M + lanes + 1, mask=inner, other=1)
-    norm_in = tl.sqrt_rn(d_in)
-    norm_out = tl.sqrt_rn(d_out)
-    norms = norm_in * norm_out
-    cos = tl.where(norms > 0, tl.div_rn(0.5 * (d_pn - d_in - d_out), tl.where(norms > 0, norms, 1.0)), 0.0)
-    cos = tl.minimum(tl.maximum(cos, -1.0), 1.0)
-    first = (1.0 - cos) * tl.minimum(norm_in, norm_out) * tl.log((t_next - t_prev).to(d_in.dtype))
-    score = tl.where(inner, first, float("inf"))
+    score = tl.where(inner, _score(d_in, d_out, d_pn, t_next - t_prev), float("inf"))
     tail = count - 1
     for i in range(0, F):
         arrival = W + i
@@ -233,10 +242,13 @@ def _stce_kernel(d2_ptr, times_ptr, out_ptr, W, F, capacity,
         score = tl.where(lanes == tl.where(before >= 0, tail, -1), rescored, score)
         tail = arrival
         count += 1
-        # over capacity: evict the lowest score, the lowest lane (older frame) among equal minima. Conditions
-        # are applied as lane selections (lane -1 matches nothing), so no vector is combined with a scalar mask.
+        # over capacity: evict the lowest score; of equal minima the lowest lane, i.e. the older frame (picked
+        # explicitly: argmin's tie rule is not one the interpreter can check). Conditions are applied as lane
+        # selections (lane -1 matches nothing), so no vector is combined with a scalar mask.
         evict = count > capacity
-        gone = tl.where(evict, tl.argmin(tl.where(alive, score, float("inf")), axis=0, tie_break_left=True), -1)
+        live_score = tl.where(alive, score, float("inf"))
+        lowest = tl.min(live_score, axis=0)
+        gone = tl.where(evict, tl.min(tl.where(live_score == lowest, lanes, BLOCK), axis=0), -1)
         p = _pick(prev, lanes, gone)
         n = _pick(nxt, lanes, gone)
         alive = alive & (lanes != gone)
