@@ -14,7 +14,7 @@ import torch
 from hermes.h2svc import EPISODIC, INSTANT, SHORT, H2SVCConfig, default_head_map
 from hermes.h2svc import reference as ref
 from tests.test_rope import hf_rotate, hf_rotate_mrope
-from tests.utils import assert_close_verbose, inv_freq_for
+from tests.utils import assert_close_verbose, inv_freq_for, same_bytes
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -672,12 +672,6 @@ def step_inputs(cls=EPISODIC, mrope=False, dtype=torch.float32):
                 mrope_section=[1, 1, 2] if mrope else None, held=3, num_frames=2, first_frame=10, reindex=True,
                 next_position=1 + 4 * 2, features=block["features"])
     return args
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical (NaN payloads included)."""
-    return a.shape == b.shape and torch.equal(a.contiguous().flatten().view(torch.uint8),
-                                              b.contiguous().flatten().view(torch.uint8))
 
 
 def _swap(args, **changes):
