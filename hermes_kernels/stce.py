@@ -71,39 +71,11 @@ def _trajectory(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Te
 # ----------------------------------------------------------------------------------------------------------------
 
 def _curvature_torch(d_in: torch.Tensor, d_out: torch.Tensor, d_pn: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
-    """I(j) from d2(j, p), d2(j, n), d2(p, n) and t_n - t_p (elementwise, in d2's dtype)."""
+    """I(j) from d2(j, p), d2(j, n), d2(p, n) and t_n - t_p (elementwise, in d2's dtype; the Triton `_score`)."""
     norm_in, norm_out = d_in.sqrt(), d_out.sqrt()
     norms = norm_in * norm_out
-    dot = 0.5 * (d_pn - d_in - d_out)
-    cos = torch.where(norms > 0, dot / norms, 0.0).clamp_(-1.0, 1.0)
+    cos = torch.where(norms > 0, 0.5 * (d_pn - d_in - d_out) / norms, 0.0).clamp_(-1.0, 1.0)
     return (1.0 - cos) * torch.minimum(norm_in, norm_out) * gap.to(d_in.dtype).log()
-
-
-class _Rows:
-    """Per-row scalar access to [R, M] state tensors: lane index vectors [R] in, [R] values out."""
-
-    def __init__(self, times: torch.Tensor, d2: torch.Tensor):
-        self.times = times
-        self.M = times.shape[1]
-        self.d2 = d2.reshape(times.shape[0], -1)
-
-    @staticmethod
-    def get(x: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
-        return x.gather(1, lane.clamp(min=0).unsqueeze(1)).squeeze(1)
-
-    @staticmethod
-    def put(x: torch.Tensor, lane: torch.Tensor, value: torch.Tensor, when: torch.Tensor) -> None:
-        """x[r, lane[r]] = value[r] where `when`, unchanged elsewhere (lane clamped: a no-op write there)."""
-        at = lane.clamp(min=0).unsqueeze(1)
-        x.scatter_(1, at, torch.where(when, value, x.gather(1, at).squeeze(1)).unsqueeze(1))
-
-    def curvature(self, j: torch.Tensor, p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """I(j) for lanes j with neighbours p, n (any shape [R, ...]; lanes of -1 give unused values)."""
-        j, p, n = j.clamp(min=0), p.clamp(min=0), n.clamp(min=0)
-        d2 = self.d2
-        gap = self.times.gather(1, n) - self.times.gather(1, p)
-        return _curvature_torch(d2.gather(1, j * self.M + p), d2.gather(1, j * self.M + n),
-                                d2.gather(1, p * self.M + n), gap)
 
 
 def stce_select_torch(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
@@ -111,53 +83,63 @@ def stce_select_torch(features: torch.Tensor, frames: torch.Tensor, arriving: to
     """Kept frame indices int64 [H, B, capacity] after the F arrivals (ascending, -1 padded); inputs validated.
 
     features float32 [H, B, W, D], frames int64 [H, B, W], arriving float32 [H, B, F, D] (see `_trajectory`).
-    State [R, W + F] per row (R = H·B): alive, prev/next lanes (-1: none), score. A Python loop over the F
-    arrivals only; no host sync.
+    State [R, M + 2] per row (R = H·B, M = W + F lanes): alive, prev/next lanes, score. Two extra lanes stand for
+    "no lane": NONE (= M; read-only: its prev and next are NONE, its d2 entries 0, its score +inf, never alive) and
+    TRASH (= M + 1; write-only: conditional writes are routed there instead of being masked). A row that does not
+    evict this round "evicts" NONE, which turns every write of the round into a write to TRASH. So each arrival is
+    a fixed sequence of gathers and scatters over all rows at once: a Python loop over the F arrivals only, no host
+    sync.
     """
     H, B, W, _ = features.shape
     F = arriving.shape[2]
     times, d2 = _trajectory(features, frames, arriving, first_frame)
-    rows = _Rows(times, d2)
     R, M = times.shape
-    lane = torch.arange(M, device=times.device).expand(R, M)
+    NONE, TRASH, lanes = M, M + 1, M + 2
+    device = times.device
+    d2 = torch.nn.functional.pad(d2, (0, 2, 0, 2)).view(R, lanes * lanes)
+    times = torch.nn.functional.pad(times, (0, 2), value=-1)
+    lane = torch.arange(lanes, device=device).expand(R, lanes)
+
+    def curvature(j: torch.Tensor, p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """I(j) for lanes j [R, k] with neighbours p, n (values at NONE lanes are never kept)."""
+        return _curvature_torch(d2.gather(1, j * lanes + p), d2.gather(1, j * lanes + n), d2.gather(1, p * lanes + n),
+                                times.gather(1, n) - times.gather(1, p))
+
+    def route(at: torch.Tensor) -> torch.Tensor:
+        return torch.where(at == NONE, TRASH, at)
+
     alive = (lane < W) & (times >= 0)
-    held = alive.sum(dim=1)
-    prev = torch.where(alive & (lane >= 1), lane - 1, -1)
-    nxt = torch.where(alive & (lane + 1 < held.unsqueeze(1)), lane + 1, -1)
-    inner = (prev >= 0) & (nxt >= 0)
-    score = torch.where(inner, rows.curvature(lane, prev, nxt), _INF)
+    held = alive.sum(dim=1, keepdim=True)
+    prev = torch.where(alive & (lane >= 1), lane - 1, NONE)
+    nxt = torch.where(alive & (lane + 1 < held), lane + 1, NONE)
+    score = torch.where((prev != NONE) & (nxt != NONE), curvature(lane, prev, nxt), _INF)
     count = held
-    tail = held - 1
+    tail = torch.where(held > 0, held - 1, NONE)
     for i in range(F):
         arrival = torch.full_like(tail, W + i)
         # §3: append the arrival; the previous newest frame becomes interior when it has an older neighbour
-        rows.put(nxt, tail, arrival, tail >= 0)
-        prev[:, W + i] = tail
+        nxt.scatter_(1, route(tail), arrival)
+        prev[:, W + i] = tail.squeeze(1)
         alive[:, W + i] = True
-        before = rows.get(prev, tail)
-        grown = (tail >= 0) & (before >= 0)
-        rows.put(score, tail, rows.curvature(tail.unsqueeze(1), before.unsqueeze(1), arrival.unsqueeze(1))
-                 .squeeze(1), grown)
+        before = prev.gather(1, tail)
+        score.scatter_(1, torch.where(before == NONE, TRASH, tail), curvature(tail, before, arrival))
         tail = arrival
         count = count + 1
         # over capacity: evict the lowest score (argmin takes the first, i.e. the older, of equal minima)
-        evict = count > capacity
-        gone = torch.where(alive, score, _INF).argmin(dim=1)
-        p, n = rows.get(prev, gone), rows.get(nxt, gone)
-        rows.put(alive, gone, torch.zeros_like(evict), evict)
-        rows.put(score, gone, torch.full_like(score[:, 0], _INF), evict)
-        rows.put(nxt, p, n, evict)
-        rows.put(prev, n, p, evict)
-        # the O(1) update: only the two neighbours are rescored
-        pp, nn = rows.get(prev, p), rows.get(nxt, n)
-        rows.put(score, p, rows.curvature(p.unsqueeze(1), pp.unsqueeze(1), n.unsqueeze(1)).squeeze(1),
-                 evict & (pp >= 0))
-        rows.put(score, n, rows.curvature(n.unsqueeze(1), p.unsqueeze(1), nn.unsqueeze(1)).squeeze(1),
-                 evict & (nn >= 0))
-        count = count - evict.to(count.dtype)
+        gone = torch.where(count > capacity, torch.where(alive, score, _INF).argmin(dim=1, keepdim=True), NONE)
+        p, n = prev.gather(1, gone), nxt.gather(1, gone)
+        alive.scatter_(1, route(gone), False)
+        score.scatter_(1, route(gone), _INF)
+        nxt.scatter_(1, route(p), n)
+        prev.scatter_(1, route(n), p)
+        count = count - (gone != NONE).to(count.dtype)
+        # the O(1) update: only the two neighbours are rescored, both in one call (an endpoint keeps +inf)
+        j, before, after = torch.cat([p, n], 1), torch.cat([prev.gather(1, p), p], 1), torch.cat([n, nxt.gather(1, n)], 1)
+        score.scatter_(1, torch.where((before == NONE) | (after == NONE), TRASH, j), curvature(j, before, after))
     # lanes are in temporal order: the alive ones, packed left, are the kept frames ascending
+    alive, times = alive[:, :M], times[:, :M]
     slot = torch.where(alive, alive.cumsum(dim=1) - 1, capacity).clamp_(max=capacity)
-    kept = torch.full((R, capacity + 1), -1, dtype=torch.int64, device=times.device)
+    kept = torch.full((R, capacity + 1), -1, dtype=torch.int64, device=device)
     kept.scatter_(1, slot, torch.where(alive, times, -1))
     return kept[:, :capacity].reshape(H, B, capacity)
 
