@@ -327,6 +327,23 @@ def test_triton_launch_count_independent_of_rows_and_streams(cls, launches):
     assert set(counts.values()) == {launches}, f"launches per step: {counts}"
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter: CPU tensors have no device to wait for")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_host_sync_on_cuda(backend):
+    """A step on CUDA tensors never waits for the device (the caller's host ints decide everything); checked by
+    torch's sync debug mode, after a warm-up step that compiles the kernels."""
+    cfg = config()
+    for case in (Case(EPISODIC, 4, 3, "mrope", True, F16, "view"), Case(SHORT, 3, 2, "1d", False, BF16, "contiguous")):
+        for attempt in range(2):
+            args, kwargs = step_args(cfg, case, make_block(cfg, case, seed=attempt))
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if attempt else "default")
+            try:
+                hk.h2svc_step(*args, **kwargs, backend=backend)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_bad_input_raises_before_writing(backend):
     cfg = config()
