@@ -27,7 +27,7 @@ a step on CUDA does not synchronise. The row work is what the backends differ in
   h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
       `compact._rows_native`): every row walked once, left to right, in place; otherwise (fp16, fp64, CUDA
       tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the "torch-ops" path) torch ops over all rows at once:
-      one gather/scatter of the movers' tokens, or compaction's tiled rotation (`compact._rows_torch`).
+      one indexed copy of the movers' frames, or compaction's tiled rotation (`compact._rows_torch`).
 Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
   reindex False: the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
       their positions; nothing else in the cache is touched;
@@ -217,14 +217,15 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mr
     elif work.delta is not None:
         _rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
     else:
+        # whole frames move: index the [H_c, B, frame slot] dims of a [H_c, B, S, T_f, D] view, so each mover is
+        # one block copy; evicted overflow frames are copied onto themselves (a no-op that keeps it one index op)
         overflow = work.window + torch.arange(moves, device=keys.device)
-        src_tokens = _tokens(overflow.expand_as(work.destination), P, T)
-        # evicted overflow frames are copied onto themselves: a no-op that keeps the move one gather and scatter
-        dst_tokens = _tokens(torch.where(work.destination >= 0, work.destination, overflow), P, T)
+        rows = torch.arange(H, device=keys.device).view(H, 1, 1)
+        streams = torch.arange(B, device=keys.device).view(1, B, 1)
+        target = torch.where(work.destination >= 0, work.destination, overflow)
         for x in (keys, values):
-            D = x.shape[-1]
-            x.scatter_(2, dst_tokens.unsqueeze(-1).expand(H, B, -1, D),
-                       x.gather(2, src_tokens.unsqueeze(-1).expand(H, B, -1, D)))
+            frames = x[:, :, P:P + (work.window + moves) * T].unflatten(2, (work.window + moves, T))
+            frames[rows, streams, target] = frames[:, :, work.window:].clone()  # the movers, read before any write
 
 
 def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
