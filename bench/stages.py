@@ -472,8 +472,9 @@ def cache_bytes(shape: ModelShape, dtype: torch.dtype, prefix_len: int = PREFIX_
                 tokens_per_frame: int = TOKENS_PER_FRAME, chunk_frames: int = 16, budget: int = 6000,
                 dense_frames: int = 64) -> dict[str, tuple[int, int]]:
     """K and V bytes of one stream's cache at `shape` for three policies, as (retained memory, with room for one
-    chunk of `chunk_frames` frames): H2SVC with the default ratios and head map (H2SVC.md §5: Σ_c H_c·(P + W_c·T_f)),
-    a dense cache of `dense_frames` frames in every head, and HERMES at `budget` tokens per layer."""
+    chunk of `chunk_frames` frames): H2SVC with the default ratios and head map (H2SVC.md §5: the token-heads
+    Σ_c H_c·(P + W_c·T_f)), a dense cache of `dense_frames` frames in every head, and HERMES at `budget` tokens
+    per layer."""
     cfg = shape.h2svc_config(prefix_len, tokens_per_frame)
     per_token = 2 * shape.head_dim * dtype.itemsize
     heads = shape.num_layers * shape.num_kv_heads

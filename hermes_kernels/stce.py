@@ -134,7 +134,8 @@ def stce_select_torch(features: torch.Tensor, frames: torch.Tensor, arriving: to
         prev.scatter_(1, route(n), p)
         count = count - (gone != NONE).to(count.dtype)
         # the O(1) update: only the two neighbours are rescored, both in one call (an endpoint keeps +inf)
-        j, before, after = torch.cat([p, n], 1), torch.cat([prev.gather(1, p), p], 1), torch.cat([n, nxt.gather(1, n)], 1)
+        j = torch.cat([p, n], 1)
+        before, after = torch.cat([prev.gather(1, p), p], 1), torch.cat([n, nxt.gather(1, n)], 1)
         score.scatter_(1, torch.where((before == NONE) | (after == NONE), TRASH, j), curvature(j, before, after))
     # lanes are in temporal order: the alive ones, packed left, are the kept frames ascending
     alive, times = alive[:, :M], times[:, :M]

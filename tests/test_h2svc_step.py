@@ -327,7 +327,7 @@ def test_triton_launch_count_independent_of_rows_and_streams(cls, launches):
     assert set(counts.values()) == {launches}, f"launches per step: {counts}"
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter: CPU tensors have no device to wait for")
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter: CPU tensors never wait")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_no_host_sync_on_cuda(backend):
     """A step on CUDA tensors never waits for the device (the caller's host ints decide everything); checked by
