@@ -4,7 +4,7 @@ setup(
     name="hermes-kernels",
     version="0.1.0",
     description="Fused Triton kernels and a transformers cache for HERMES streaming-video KV-cache compression",
-    packages=["hermes", "hermes.models", "hermes_kernels", "bench"],
+    packages=["hermes", "hermes.h2svc", "hermes.models", "hermes_kernels", "bench"],
     package_data={"hermes_kernels": ["*.c"]},  # compiled on first use by hermes_kernels.native
     python_requires=">=3.10",
     install_requires=[

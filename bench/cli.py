@@ -1,11 +1,14 @@
 """`python -m bench`: per-chunk compression latency at real model shapes, every stage and backend (the main job).
 
-For every benchmark point (shape x budget x chunk x dtype) it builds one synthetic cache, then times each stage
-(pooled attention for the mixed and global guidance prompts, scoring, selection, compaction, the whole step)
-with each backend, measures the peak extra memory of one run, and prints a table with the speed-up over
-`reference`, the achieved GB/s and the ratio to the memory floor (DESIGN.md §4; bandwidth measured with a
-copy in the same run). Rows are appended to bench/results/<device>.csv and the step latencies plotted to
-bench/results/<device>.png. Then one end-to-end streaming step of a tiny model (bench/e2e.py).
+For every HERMES benchmark point (shape x budget x chunk x dtype) it builds one synthetic cache, then times each
+stage (pooled attention for the mixed and global guidance prompts, scoring, selection, compaction, the whole step)
+with each backend; for every H2SVC point (shape x chunk x dtype: full per-class frame memories, no budget) the
+H2SVC stages (frame features, STCE, the step of all three class blocks). It measures the peak extra memory of one
+run, and prints a table with the speed-up over `reference`, the achieved GB/s and the ratio to the memory floor
+(DESIGN.md §4; bandwidth measured with a copy in the same run), and one line per shape of cache bytes (H2SVC vs a
+dense 64-frame cache vs HERMES at budget 6000). Rows are appended to bench/results/<device>.csv and the HERMES
+step latencies plotted to bench/results/<device>.png. Then one end-to-end streaming step of a tiny model
+(bench/e2e.py).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from .plot import plot_rows
 from .report import (Row, append_csv, commit_hash, device_kind, device_name, fill_floor_ratios, fill_speedups,
                      format_table)
 from .shapes import BUDGETS, CHUNK_FRAMES, PREFIX_LEN, SHAPES, SMOKE_SHAPES, TOKENS_PER_FRAME, get_shape
-from .stages import BACKENDS, STAGES, Inputs, Spec, Unavailable, stage_backends
+from .stages import (BACKENDS, STAGES, Spec, Unavailable, cache_bytes, make_inputs, stage_backends,
+                     stage_policy)
 from .timing import copy_bandwidth, time_case
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -60,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="cache dtype (default fp32 CPU, fp16 CUDA)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                    help="default: all (triton only on CUDA; torch-ops, the torch backend without its C row kernel, "
-                        "only on CPU for compact and step)")
+                        "only on CPU for compact, step and h2svc_step)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
     p.add_argument("--repeats", type=int, help="timed runs per point (default 10 CPU, 50 CUDA)")
     p.add_argument("--reference-repeats", type=int, help="timed runs of the reference backend (default 5)")
@@ -94,7 +98,8 @@ def measure(specs: list[Spec], stages: list[str], backends: tuple[str, ...], arg
     """Time (and size) every stage x backend at every spec; returns one Row each, n/a and errors included."""
     from tqdm.auto import tqdm
 
-    jobs = [(spec, stage, backend) for spec in specs for stage in stages for backend in stage_backends(stage, backends)]
+    jobs = [(spec, stage, backend) for spec in specs for stage in stages if stage_policy(stage) == spec.policy
+            for backend in stage_backends(stage, backends)]
     rows = []
     # a bar on a terminal; in a log (CI, gpu_check) one plain line per benchmark point instead
     interactive = sys.stderr.isatty()
@@ -111,7 +116,7 @@ def measure(specs: list[Spec], stages: list[str], backends: tuple[str, ...], arg
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             try:
-                inputs = Inputs(spec)
+                inputs = make_inputs(spec)
             except Exception as exc:   # e.g. out of memory: this point's rows say so, the others still run
                 inputs = exc
         row = Row(stage=stage, backend=backend, shape=spec.shape.name, budget=spec.budget, chunk=spec.chunk_frames,
@@ -142,12 +147,25 @@ def measure(specs: list[Spec], stages: list[str], backends: tuple[str, ...], arg
 
 
 def headline(rows: list[Row]) -> list[str]:
-    """One line per point: whole-step speed-up of every backend over reference."""
+    """One line per point: whole-step speed-up of every backend over reference (HERMES and H2SVC steps)."""
     lines = []
     for r in rows:
-        if r.stage == "step" and r.backend != "reference" and r.speedup_vs_reference is not None:
-            lines.append(f"step speed-up {r.backend} vs reference: {r.speedup_vs_reference:.1f}x "
-                         f"({r.shape} b={r.budget} chunk={r.chunk}f {r.dtype}, N={r.num_tokens})")
+        if r.stage in ("step", "h2svc_step") and r.backend != "reference" and r.speedup_vs_reference is not None:
+            memory = "h2svc" if r.stage == "h2svc_step" else f"b={r.budget}"
+            lines.append(f"{r.stage} speed-up {r.backend} vs reference: {r.speedup_vs_reference:.1f}x "
+                         f"({r.shape} {memory} chunk={r.chunk}f {r.dtype}, N={r.num_tokens})")
+    return lines
+
+
+def cache_bytes_lines(shapes: list[str], dtype: torch.dtype, prefix_len: int, tokens_per_frame: int) -> list[str]:
+    """One line per shape: K/V bytes of H2SVC (default ratios and head map) vs a dense 64-frame cache vs HERMES at
+    budget 6000, retained memory and with room for one 16-frame chunk (`stages.cache_bytes`)."""
+    lines = []
+    for name in shapes:
+        sizes = cache_bytes(get_shape(name), dtype, prefix_len, tokens_per_frame)
+        cells = [f"{policy} {kept / 2 ** 20:.0f} MiB ({room / 2 ** 20:.0f})" for policy, (kept, room) in sizes.items()]
+        lines.append(f"cache K+V bytes {name} {str(dtype).removeprefix('torch.')} per stream: " + " vs ".join(cells)
+                     + f" (in parentheses: with room for a 16-frame chunk of {tokens_per_frame}-token frames)")
     return lines
 
 
@@ -170,10 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         print("torch backend, compaction rows on CPU: " + ("C walk (hermes_kernels/compact_cpu.c)" if reason is None
               else f"torch ops ({reason})") + "; torch-ops rows: always torch ops")
     results_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else RESULTS_DIR)
+    # HERMES points per budget; H2SVC points (frame memories, no budget: 0) once per shape, dtype and chunk
+    policies = {stage_policy(stage) for stage in args.stages}
     specs = [Spec(shape=get_shape(shape), budget=budget, chunk_frames=chunk, dtype=DTYPES[dtype], device=device,
                   batch=args.batch, prefix_len=args.prefix_len, tokens_per_frame=args.tokens_per_frame,
-                  reindex=args.reindex, seed=args.seed)
-             for shape in args.shapes for dtype in args.dtypes for budget in args.budgets for chunk in args.chunks]
+                  reindex=args.reindex, seed=args.seed, policy=policy)
+             for shape in args.shapes for dtype in args.dtypes for policy in ("hermes", "h2svc") if policy in policies
+             for budget in (args.budgets if policy == "hermes" else [0]) for chunk in args.chunks]
     for spec in specs:      # bad budgets etc. fail here, before minutes of measuring
         spec.cfg
 
@@ -208,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
           "(q40 mixed prompt, q20 global)")
     for line in headline(rows):
         print(line)
+    if "h2svc" in policies:
+        # in the models' own dtype, whatever the benchmarked cache dtype: sizes, not timings
+        for line in cache_bytes_lines(args.shapes, torch.float16, args.prefix_len, args.tokens_per_frame):
+            print(line)
 
     csv_path = results_dir / f"{device_kind(device)}.csv"
     written = append_csv(rows, csv_path, name, commit, bandwidth / 1e9, (load, load_after))

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One check on a CUDA machine: the kernel tests on the GPU, then the benchmark table at the LLaVA-OV-7B and
-# Qwen2.5-VL-7B shapes in fp16 (triton, torch, reference), with the device-to-device copy bandwidth measured
-# in the same run for the floor ratio.
+# One check on a CUDA machine: the kernel tests on the GPU (HERMES and H2SVC stages), then the benchmark tables at
+# the LLaVA-OV-7B and Qwen2.5-VL-7B shapes in fp16 (triton, torch, reference): the HERMES stages, then the H2SVC
+# stages (frame features, STCE, the step of all three class blocks; chunks of 8 and 16 frames, full memories),
+# each with the device-to-device copy bandwidth measured in the same run for the floor ratio.
 #
 #   bash bench/gpu_check.sh OUTDIR
 #
 # Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional) already installed;
 # installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt, tests.log,
-# bench.log, <gpu>.csv, <gpu>.png. At most 7 minutes (3 for the tests, 4 for the table); the exit status
-# is non-zero if the tests or the benchmark failed.
+# bench.log, bench_h2svc.log, <gpu>.csv, <gpu>.png. At most 10 minutes (3 for the tests, 4 for the HERMES table,
+# 3 for the H2SVC table); the exit status is non-zero if the tests or a benchmark failed.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -44,10 +45,19 @@ echo "== benchmark"
 bench_rc=0
 timeout 240 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
     --budgets 4000 6000 --chunks 16 --backends reference torch triton \
+    --stages pooled_attention_q40 pooled_attention_q20 scores select compact step \
     --repeats 30 --reference-repeats 3 --warmup 3 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
     || bench_rc=$?
 
-echo "== gpu_check: tests exit ${tests_rc}, bench exit ${bench_rc}; results in $out"
-if [[ $tests_rc -ne 0 || $bench_rc -ne 0 ]]; then
+# 3. The H2SVC stages (the per-head reference step takes seconds: one timed run, one warm-up).
+echo "== benchmark: H2SVC stages"
+h2svc_rc=0
+timeout 180 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 --chunks 8 16 \
+    --stages h2svc_features h2svc_stce h2svc_step --backends reference torch triton \
+    --repeats 30 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --results-dir "$out" 2>&1 \
+    | tee "$out/bench_h2svc.log" || h2svc_rc=$?
+
+echo "== gpu_check: tests exit ${tests_rc}, bench exit ${bench_rc}, H2SVC bench exit ${h2svc_rc}; results in $out"
+if [[ $tests_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 ]]; then
     exit 1
 fi

@@ -27,7 +27,8 @@ STATUS_WIDTH = 100
 @dataclasses.dataclass
 class Row:
     """One measured point. Times in ms; bytes_moved: least bytes the stage must move (DESIGN.md §4);
-    gbps = bytes_moved / median; floor_ratio = median / (bytes_moved / bandwidth), for stages with a floor."""
+    gbps = bytes_moved / median; floor_ratio = median / (bytes_moved / bandwidth), for stages with a floor.
+    budget 0: an H2SVC row (per-class frame memories, no token budget; printed as "-")."""
 
     stage: str
     backend: str
@@ -84,7 +85,7 @@ def format_table(rows: list[Row]) -> str:
     """
     header = ("stage", "backend", "shape", "budget", "chunk", "dtype", "median ms", "p20 ms", "p80 ms",
               "vs ref", "GB/s", "x floor", "peak MiB")
-    keys = [(r.stage, r.backend, r.shape, str(r.budget), f"{r.chunk}f", r.dtype) for r in rows]
+    keys = [(r.stage, r.backend, r.shape, str(r.budget) if r.budget else "-", f"{r.chunk}f", r.dtype) for r in rows]
     numbers = [(_fmt(r.median_ms, ".3f"), _fmt(r.p20_ms, ".3f"), _fmt(r.p80_ms, ".3f"),
                 _fmt(r.speedup_vs_reference, ".1f", "x"), _fmt(r.gbps, ".1f"), _fmt(r.floor_ratio, ".1f"),
                 _fmt(r.peak_extra_mib, ".1f")) if r.ok else None for r in rows]

@@ -1,7 +1,8 @@
 """The one registry of model shapes the benchmarks run at, plus the streaming defaults (DESIGN.md §4).
 
 A shape is what the compression step sees of a model: layer count, query/KV heads, head dim, RoPE base and
-position limit, and the M-RoPE section for Qwen2.5-VL. Numbers are the models' published configs.
+position limit, and the M-RoPE section for Qwen2.5-VL. Numbers are the models' published configs. Each shape
+names its family's preset of both policies: HERMES (`config`) and H2SVC (`h2svc_config`).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from hermes import HermesConfig
+from hermes import H2SVCConfig, HermesConfig
 
 TOKENS_PER_FRAME = 196      # 14 x 14 merged patches per frame (LLaVA-OV after pooling, Qwen2.5-VL merged grid)
 GRID_WIDTH = 14             # merged-grid width; M-RoPE h/w coordinates come from it
@@ -32,7 +33,9 @@ class ModelShape:
     rope_theta: float
     max_positions: int
     preset: Callable[..., HermesConfig]
+    h2svc_preset: Callable[..., H2SVCConfig]
     mrope_section: tuple[int, int, int] | None = None
+    h2svc_windows: tuple[int, int, int] | None = None  # (W_s, W_w, N_e) frames; None: the seed's 4 / 16 / 64
 
     def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Default-RoPE inverse frequencies, float32 [D/2]: theta ** (-2i / D)."""
@@ -44,24 +47,37 @@ class ModelShape:
         return self.preset(self.num_layers, budget, prefix_len, max_positions=self.max_positions,
                            reindex=reindex)
 
+    def h2svc_config(self, prefix_len: int = PREFIX_LEN, tokens_per_frame: int = TOKENS_PER_FRAME,
+                     reindex: str = "eager") -> H2SVCConfig:
+        """The model family's H2SVC preset at this shape: default ratios and the default (depth-order) head map."""
+        windows = {} if self.h2svc_windows is None else dict(zip(("instant_frames", "short_frames",
+                                                                   "episodic_frames"), self.h2svc_windows))
+        return self.h2svc_preset(self.num_layers, self.num_kv_heads, prefix_len, max_positions=self.max_positions,
+                                 tokens_per_frame=tokens_per_frame, reindex=reindex, **windows)
+
 
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("llava-ov-7b", num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
-               max_positions=32768, preset=HermesConfig.llava_ov),
+               max_positions=32768, preset=HermesConfig.llava_ov, h2svc_preset=H2SVCConfig.llava_ov),
     ModelShape("llava-ov-0.5b", num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6,
-               max_positions=32768, preset=HermesConfig.llava_ov),
+               max_positions=32768, preset=HermesConfig.llava_ov, h2svc_preset=H2SVCConfig.llava_ov),
     ModelShape("qwen2.5-vl-7b", num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
-               max_positions=128000, preset=HermesConfig.qwen2_5_vl, mrope_section=(16, 24, 24)),
+               max_positions=128000, preset=HermesConfig.qwen2_5_vl, h2svc_preset=H2SVCConfig.qwen2_5_vl,
+               mrope_section=(16, 24, 24)),
     ModelShape("qwen2.5-vl-3b", num_layers=36, num_heads=16, num_kv_heads=2, head_dim=128, rope_theta=1e6,
-               max_positions=128000, preset=HermesConfig.qwen2_5_vl, mrope_section=(16, 24, 24)),
+               max_positions=128000, preset=HermesConfig.qwen2_5_vl, h2svc_preset=H2SVCConfig.qwen2_5_vl,
+               mrope_section=(16, 24, 24)),
 )}
 
-# Tiny geometry for smoke runs (--quick, bench/test_bench.py); not a real model, so not in SHAPES.
+# Tiny geometry for smoke runs (--quick, bench/test_bench.py); not a real model, so not in SHAPES. Their H2SVC
+# memories are 2 / 4 / 8 frames, so a re-indexed episodic memory of 196-token frames fits 4096 positions.
 SMOKE_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("smoke-1d", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4,
-               max_positions=4096, preset=HermesConfig.llava_ov),
+               max_positions=4096, preset=HermesConfig.llava_ov, h2svc_preset=H2SVCConfig.llava_ov,
+               h2svc_windows=(2, 4, 8)),
     ModelShape("smoke-mrope", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4,
-               max_positions=4096, preset=HermesConfig.qwen2_5_vl, mrope_section=(4, 6, 6)),
+               max_positions=4096, preset=HermesConfig.qwen2_5_vl, h2svc_preset=H2SVCConfig.qwen2_5_vl,
+               mrope_section=(4, 6, 6), h2svc_windows=(2, 4, 8)),
 )}
 
 

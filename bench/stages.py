@@ -5,9 +5,14 @@ A stage's setup takes the inputs of one benchmark point (`Spec` -> `Inputs`) and
 timed region, and `bytes_moved` is the least traffic the stage needs (DESIGN.md §4), from which GB/s and the
 ratio to the memory floor follow.
 
-Backends: "reference" is `hermes.reference`; "torch" and "triton" are `hermes_kernels` with that `backend=`;
-"torch-ops" (compact and step, CPU) is the torch backend with its C row kernel switched off
-(HERMES_KERNELS_NATIVE=0), i.e. the compaction's rows moved by torch ops; "eager" (pooled attention only)
+Two policies: the HERMES stages run on `Inputs` (one stacked cache at a token budget), the H2SVC stages
+(`h2svc_features`, `h2svc_stce`, `h2svc_step`: stage (a), (b) and the whole step of the three class blocks) on
+`H2SVCInputs` (full per-class frame memories, no budget: their rows carry budget 0). `Spec.policy` says which;
+`make_inputs` builds the right one.
+
+Backends: "reference" is `hermes.reference` / `hermes.h2svc.reference`; "torch" and "triton" are `hermes_kernels`
+with that `backend=`; "torch-ops" (compact, step, h2svc_step; CPU) is the torch backend with its C row kernel
+switched off (HERMES_KERNELS_NATIVE=0), i.e. the rows moved by torch ops; "eager" (pooled attention only)
 materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
 A backend or stage that is not there yet raises `Unavailable`, which the harness reports as "n/a".
 """
@@ -22,12 +27,14 @@ from typing import Callable
 
 import torch
 
-from hermes import HermesConfig
+from hermes import H2SVCConfig, HermesConfig
+from hermes.h2svc import EPISODIC, INSTANT, SHORT
 
 from .shapes import GRID_WIDTH, MROPE_TIME_STEP, PREFIX_LEN, TOKENS_PER_FRAME, ModelShape
 
 BACKENDS = ("reference", "torch", "torch-ops", "triton")
-TORCH_OPS_STAGES = ("compact", "step")  # where torch-ops differs from torch
+TORCH_OPS_STAGES = ("compact", "step", "h2svc_step")  # where torch-ops differs from torch
+H2SVC_STAGES = ("h2svc_features", "h2svc_stce", "h2svc_step")
 GUIDANCE_MIXED = 40     # query tokens of the mixed prompt (local + "; " + global), mid layers
 GUIDANCE_GLOBAL = 20    # query tokens of the global prompt, deep layers
 
@@ -54,6 +61,7 @@ class Spec:
     tokens_per_frame: int = TOKENS_PER_FRAME
     reindex: str = "eager"
     seed: int = 0
+    policy: str = "hermes"  # "h2svc": the per-class frame memories of H2SVC (budget unused, 0)
 
     @property
     def chunk_tokens(self) -> int:
@@ -61,7 +69,9 @@ class Spec:
 
     @property
     def num_tokens(self) -> int:
-        """N, cache length at the start of the step."""
+        """N, cache length at the start of the step (H2SVC: the episodic block's, P + (N_e + F)·T_f)."""
+        if self.policy == "h2svc":
+            return self.prefix_len + self.h2svc_cfg.window(EPISODIC) * self.tokens_per_frame + self.chunk_tokens
         return self.prefix_len + self.budget + self.chunk_tokens
 
     @property
@@ -70,15 +80,22 @@ class Spec:
         return self.budget + self.chunk_tokens
 
     @functools.cached_property
-    def cfg(self) -> HermesConfig:
-        return self.shape.config(self.budget, self.prefix_len, self.reindex)
+    def cfg(self) -> HermesConfig | H2SVCConfig:
+        """The policy's config at this point (HERMES at `budget`; H2SVC with the default head map)."""
+        return self.h2svc_cfg if self.policy == "h2svc" else self.shape.config(self.budget, self.prefix_len,
+                                                                                self.reindex)
+
+    @functools.cached_property
+    def h2svc_cfg(self) -> H2SVCConfig:
+        return self.shape.h2svc_config(self.prefix_len, self.tokens_per_frame, self.reindex)
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
     def label(self) -> str:
-        return f"{self.shape.name} b={self.budget} chunk={self.chunk_frames}f {self.dtype_name}"
+        memory = "h2svc" if self.policy == "h2svc" else f"b={self.budget}"
+        return f"{self.shape.name} {memory} chunk={self.chunk_frames}f {self.dtype_name}"
 
 
 def distinct_values(gen: torch.Generator, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -155,6 +172,106 @@ class Inputs:
         self.work_positions.copy_(self.positions)
 
 
+class ClassBlock:
+    """One H2SVC class block as the step finds it (engine interface of issue 9): `held` = W frames in the home
+    slots (full memory) and the chunk's F arrivals at frame slots W .. W+F-1, each with its positions.
+
+    keys/values [H_c, B, C, D] (C = P + (W + F)·T_f), positions [H_c, B, C] or [H_c, B, 3, C], slot_frames
+    [H_c, B, W], features [H_c, B, W, D] float32 (episodic only), and pristine copies of what a step writes (the
+    home slots' K/V, positions, slot_frames, features) for `reset`.
+    """
+
+    def __init__(self, spec: "Spec", cls: int, first_frame: int, gen: torch.Generator):
+        cfg, device, B = spec.h2svc_cfg, spec.device, spec.batch
+        W, P, T, F = cfg.window(cls), spec.prefix_len, spec.tokens_per_frame, spec.chunk_frames
+        H, D = cfg.num_rows(cls), spec.shape.head_dim
+        self.window = W
+        C = P + (W + F) * T
+        self.keys = torch.randn(H, B, C, D, generator=gen, device=device, dtype=spec.dtype)
+        self.values = torch.randn(H, B, C, D, generator=gen, device=device, dtype=spec.dtype)
+        # held frames: FIFO rings hold the newest W frames at slot frame % W; the episodic memory holds W frames
+        # spread over the stream so far, in shuffled slots (as after many steps of moves)
+        if cls == EPISODIC:
+            frames = torch.rand(H * B, first_frame, generator=gen, device=device).argsort(dim=-1)[:, :W]
+        else:
+            newest = torch.arange(first_frame - W, first_frame, device=device)
+            frames = newest[(torch.arange(W, device=device) - first_frame) % W].expand(H * B, W)
+        self.slot_frames = frames.reshape(H, B, W).contiguous()
+        slot_frame = torch.cat([self.slot_frames, first_frame + torch.arange(F, device=device).expand(H, B, F)], -1)
+        token = torch.arange(T, device=device)
+        frame_of_token = slot_frame.repeat_interleave(T, dim=-1)  # [H, B, (W + F)·T]
+        token_in_frame = token.repeat(W + F)
+        prefix = torch.arange(P, device=device)
+        if spec.shape.mrope_section is None:
+            visual = (P + frame_of_token * T + token_in_frame).unsqueeze(2)
+            axes = 1
+        else:  # as `visual_positions`: frame f, merged-grid cell (r, c) at (P + 2f, P + r, P + c)
+            visual = torch.stack([P + MROPE_TIME_STEP * frame_of_token,
+                                  (P + token_in_frame // GRID_WIDTH).expand_as(frame_of_token),
+                                  (P + token_in_frame % GRID_WIDTH).expand_as(frame_of_token)], dim=2)
+            axes = 3
+        positions = torch.cat([prefix.expand(H, B, axes, P), visual], dim=-1)
+        self.positions = (positions[:, :, 0] if axes == 1 else positions).contiguous()
+        self.features = None
+        if cls == EPISODIC:
+            self.features = backend_op("torch", "frame_features", "h2svc")(self.values[:, :, P:P + W * T], T)
+        home = P + W * T
+        self._home = home
+        self._pristine = [self.keys[:, :, :home].clone(), self.values[:, :, :home].clone(), self.positions.clone(),
+                          self.slot_frames.clone(), None if self.features is None else self.features.clone()]
+
+    def reset(self) -> None:
+        keys, values, positions, slot_frames, features = self._pristine
+        self.keys[:, :, :self._home].copy_(keys)
+        self.values[:, :, :self._home].copy_(values)
+        self.positions.copy_(positions)
+        self.slot_frames.copy_(slot_frames)
+        if features is not None:
+            self.features.copy_(features)
+
+
+class H2SVCInputs:
+    """Random inputs of one H2SVC `Spec`: the three class blocks of a model (default ratios, default head map)
+    with full memories and one just-prefilled chunk of F frames, plus the episodic arrivals' features (stage (b)
+    input). The stream has seen first_frame = 2·N_e frames. The step re-indexes when spec.reindex is "eager",
+    to next_position = P + N_e·T_f (the model's largest retained count, the episodic memory's).
+    `movers[c]`: kept frames the step moves into freed home slots, summed over rows and streams (FIFO: min(F, W)
+    per row; episodic: from one STCE run on these inputs), for the bytes the step must move.
+    """
+
+    def __init__(self, spec: "Spec"):
+        self.spec = spec
+        cfg = spec.h2svc_cfg
+        gen = torch.Generator(device=spec.device).manual_seed(spec.seed)
+        T, P, F = spec.tokens_per_frame, spec.prefix_len, spec.chunk_frames
+        self.first_frame = 2 * cfg.window(EPISODIC)
+        self.reindex = spec.reindex == "eager"
+        self.next_position = P + cfg.window(EPISODIC) * T
+        self.inv_freq = spec.shape.inv_freq(spec.device)
+        self.blocks = {cls: ClassBlock(spec, cls, self.first_frame, gen)
+                       for cls in (INSTANT, SHORT, EPISODIC) if cfg.num_rows(cls)}
+        self.movers = {cls: min(F, block.window) * cfg.num_rows(cls) * spec.batch
+                       for cls, block in self.blocks.items()}
+        self.arriving = None
+        if EPISODIC in self.blocks:
+            block = self.blocks[EPISODIC]
+            W = block.window
+            self.arriving = backend_op("torch", "frame_features", "h2svc")(
+                block.values[:, :, P + W * T:P + (W + F) * T], T)
+            kept = backend_op("torch", "stce_select", "h2svc")(block.features, block.slot_frames, self.arriving,
+                                                                 self.first_frame, W)
+            self.movers[EPISODIC] = int((kept >= self.first_frame).sum())
+
+    def reset(self) -> None:
+        for block in self.blocks.values():
+            block.reset()
+
+
+def make_inputs(spec: "Spec") -> Inputs | H2SVCInputs:
+    """The inputs of `spec`'s policy."""
+    return H2SVCInputs(spec) if spec.policy == "h2svc" else Inputs(spec)
+
+
 @dataclasses.dataclass
 class Case:
     """What one (stage, backend, spec) point measures: `run` timed, `reset` before every run when in place."""
@@ -181,15 +298,17 @@ def eager_pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None
     return probs.mean(dim=(1, 2))
 
 
-def backend_op(backend: str, name: str) -> Callable:
-    """The stage function `name` of `backend`; raises Unavailable when it does not exist (yet)."""
+def backend_op(backend: str, name: str, policy: str = "hermes") -> Callable:
+    """The stage function `name` of `backend` (the reference of `policy`); raises Unavailable when it does not
+    exist (yet)."""
     if backend == "eager":
         if name != "pooled_attention":
             raise Unavailable(f"eager has no {name}")
         return eager_pooled_attention
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS + ('eager',)}, got {backend!r}")
-    module_name = "hermes.reference" if backend == "reference" else "hermes_kernels"
+    reference = "hermes.h2svc.reference" if policy == "h2svc" else "hermes.reference"
+    module_name = reference if backend == "reference" else "hermes_kernels"
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -285,14 +404,107 @@ def setup_step(inputs: Inputs, backend: str) -> Case:
                 bytes_moved=floor_bytes(spec)["step"], reset=inputs.reset, has_floor=True)
 
 
-STAGES: dict[str, Callable[[Inputs, str], Case]] = {
+def h2svc_floor_bytes(inputs: H2SVCInputs) -> dict[str, int]:
+    """Least traffic of the H2SVC stages (the frame_update.py docstring), in bytes.
+
+    features: read the episodic arrivals' values, write their float32 features. step, per class block: without
+    re-indexing read and write the movers' K and V rows and positions; with it read and write every retained
+    key and position, and the movers' values; plus slot_frames in and out, and for the episodic block the
+    features stage and the STCE inputs (held and arriving features) and the movers' features.
+    """
+    spec = inputs.spec
+    cfg, B, T, F = spec.h2svc_cfg, spec.batch, spec.tokens_per_frame, spec.chunk_frames
+    D, item = spec.shape.head_dim, spec.dtype.itemsize
+    axes = 3 if spec.shape.mrope_section is not None else 1
+    features = 0
+    step = 0
+    for cls, block in inputs.blocks.items():
+        rows, W, moved = cfg.num_rows(cls) * B, block.window, inputs.movers[cls]
+        retained = rows * W * T  # tokens in the home slots after the step (full memories)
+        if inputs.reindex:
+            step += 2 * retained * D * item + 2 * moved * T * D * item + 2 * retained * axes * 8
+        else:
+            step += 4 * moved * T * D * item + 2 * moved * T * axes * 8
+        step += 2 * rows * W * 8
+        if cls == EPISODIC:
+            features = rows * F * T * D * item + rows * F * D * 4
+            step += features + rows * (W + F) * D * 4 + moved * D * 4
+    return {"features": features, "step": step}
+
+
+def setup_h2svc_features(inputs: H2SVCInputs, backend: str) -> Case:
+    """Stage (a): frame features of the episodic block's F arriving frames, values [H_e, B, F·T_f, D] (a view)."""
+    op = backend_op(backend, "frame_features", "h2svc")
+    spec, block = inputs.spec, inputs.blocks[EPISODIC]
+    P, T, W = spec.prefix_len, spec.tokens_per_frame, block.window
+    arriving = block.values[:, :, P + W * T:P + (W + spec.chunk_frames) * T]
+    return Case(run=lambda: op(arriving, T), bytes_moved=h2svc_floor_bytes(inputs)["features"], has_floor=True)
+
+
+def setup_h2svc_stce(inputs: H2SVCInputs, backend: str) -> Case:
+    """Stage (b): STCE over the chunk for every (layer, episodic head, stream) of a full N_e-frame memory."""
+    op = backend_op(backend, "stce_select", "h2svc")
+    block = inputs.blocks[EPISODIC]
+    rows = block.slot_frames.shape[0] * block.slot_frames.shape[1]
+    F, D = inputs.arriving.shape[2], inputs.arriving.shape[3]
+    moved = rows * (block.window + F) * D * 4 + rows * block.window * 8 * 2
+    return Case(run=lambda: op(block.features, block.slot_frames, inputs.arriving, inputs.first_frame,
+                               block.window), bytes_moved=moved)
+
+
+def setup_h2svc_step(inputs: H2SVCInputs, backend: str) -> Case:
+    """The H2SVC step of a whole model for one chunk: `h2svc_step` on the instant, short and episodic blocks in
+    place (features, STCE, slot plan, moves, re-index when eager); reset before each run."""
+    op = backend_op(backend, "h2svc_step", "h2svc")
+    spec = inputs.spec
+    section = spec.shape.mrope_section
+
+    def run():
+        for cls, block in inputs.blocks.items():
+            op(block.keys, block.values, block.positions, block.slot_frames, spec.h2svc_cfg, cls, inputs.inv_freq,
+               section, held=block.window, num_frames=spec.chunk_frames, first_frame=inputs.first_frame,
+               reindex=inputs.reindex, next_position=inputs.next_position, features=block.features)
+
+    return Case(run=run, bytes_moved=h2svc_floor_bytes(inputs)["step"], reset=inputs.reset, has_floor=True)
+
+
+def cache_bytes(shape: ModelShape, dtype: torch.dtype, prefix_len: int = PREFIX_LEN,
+                tokens_per_frame: int = TOKENS_PER_FRAME, chunk_frames: int = 16, budget: int = 6000,
+                dense_frames: int = 64) -> dict[str, tuple[int, int]]:
+    """K and V bytes of one stream's cache at `shape` for three policies, as (retained memory, with room for one
+    chunk of `chunk_frames` frames): H2SVC with the default ratios and head map (H2SVC.md §5: the token-heads
+    Σ_c H_c·(P + W_c·T_f)), a dense cache of `dense_frames` frames in every head, and HERMES at `budget` tokens
+    per layer."""
+    cfg = shape.h2svc_config(prefix_len, tokens_per_frame)
+    per_token = 2 * shape.head_dim * dtype.itemsize
+    heads = shape.num_layers * shape.num_kv_heads
+    chunk = chunk_frames * tokens_per_frame
+
+    def both(token_heads: int, rows: int) -> tuple[int, int]:
+        return token_heads * per_token, (token_heads + rows * chunk) * per_token
+
+    h2svc = sum(cfg.num_rows(c) * (prefix_len + cfg.window(c) * tokens_per_frame) for c in (INSTANT, SHORT, EPISODIC))
+    return {"h2svc": both(h2svc, heads),
+            f"dense {dense_frames}-frame": both(heads * (prefix_len + dense_frames * tokens_per_frame), heads),
+            f"hermes b={budget}": both(heads * (prefix_len + budget), heads)}
+
+
+STAGES: dict[str, Callable[[Inputs | H2SVCInputs, str], Case]] = {
     f"pooled_attention_q{GUIDANCE_MIXED}": functools.partial(setup_pooled_attention, q_len=GUIDANCE_MIXED),
     f"pooled_attention_q{GUIDANCE_GLOBAL}": functools.partial(setup_pooled_attention, q_len=GUIDANCE_GLOBAL),
     "scores": setup_scores,
     "select": setup_select,
     "compact": setup_compact,
     "step": setup_step,
+    "h2svc_features": setup_h2svc_features,
+    "h2svc_stce": setup_h2svc_stce,
+    "h2svc_step": setup_h2svc_step,
 }
+
+
+def stage_policy(stage: str) -> str:
+    """The policy whose inputs a stage runs on: "h2svc" for the H2SVC stages, else "hermes"."""
+    return "h2svc" if stage in H2SVC_STAGES else "hermes"
 
 
 def stage_backends(stage: str, backends: tuple[str, ...]) -> tuple[str, ...]:

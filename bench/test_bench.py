@@ -19,19 +19,20 @@ from hermes import reference
 
 from bench import cli, report, stages
 from bench.shapes import SHAPES, SMOKE_SHAPES
-from bench.stages import STAGES, Inputs, Spec, floor_bytes, stage_backends
+from bench.stages import STAGES, Spec, cache_bytes, floor_bytes, make_inputs, stage_backends, stage_policy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE_TOKENS_PER_FRAME = 32
 
 
 @functools.lru_cache(maxsize=None)
-def smoke_inputs(shape_name: str) -> Inputs:
-    """One tiny cache per smoke shape (fp16 on CUDA, fp32 on CPU), shared by the benchmark cases."""
-    spec = Spec(shape=SMOKE_SHAPES[shape_name], budget=48, chunk_frames=2,
+def smoke_inputs(shape_name: str, policy: str = "hermes"):
+    """One tiny cache (HERMES) or set of class blocks (H2SVC) per smoke shape (fp16 on CUDA, fp32 on CPU), shared
+    by the benchmark cases."""
+    spec = Spec(shape=SMOKE_SHAPES[shape_name], budget=48 if policy == "hermes" else 0, chunk_frames=2,
                 dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32, device=DEVICE,
-                tokens_per_frame=SMOKE_TOKENS_PER_FRAME)
-    return Inputs(spec)
+                tokens_per_frame=SMOKE_TOKENS_PER_FRAME, policy=policy)
+    return make_inputs(spec)
 
 
 BENCH_CASES = [(stage, backend) for stage in STAGES for backend in stage_backends(stage, stages.BACKENDS)]
@@ -42,7 +43,7 @@ BENCH_CASES = [(stage, backend) for stage in STAGES for backend in stage_backend
 def test_stage_benchmark(benchmark, stage, backend, shape_name):
     if backend == "triton" and DEVICE.type != "cuda":
         pytest.skip("triton is timed on CUDA only; on CPU the interpreter is for correctness (tests/)")
-    inputs = smoke_inputs(shape_name)
+    inputs = smoke_inputs(shape_name, stage_policy(stage))
     case = STAGES[stage](inputs, backend)   # an Unavailable backend fails here: torch/reference must exist
     benchmark.group = f"{stage}-{shape_name}"
     benchmark.pedantic(case.run, setup=case.reset, rounds=5, iterations=1, warmup_rounds=1)
@@ -95,6 +96,35 @@ def test_floor_bytes_match_design_section_4():
     small = 28 * (9150 + 6000) * 8 + 28 * 6000 * 8      # positions in and out, keep
     assert floor_bytes(spec)["compact"] == kv_read + kv_write + small
     assert floor_bytes(spec)["step"] == kv_read + kv_write + small + 2 * 28 * 9136 * 4
+
+
+def test_h2svc_cache_bytes_at_llava_ov_7b():
+    """H2SVC.md §5: with the default ratios the three memories hold 0.1·4 + 0.4·16 + 0.5·64 = 38.8 of 64 frames'
+    worth of heads (11 / 45 / 56 of 112 heads at LLaVA-OV-7B); fp16 K and V of D = 128 take 512 bytes a token."""
+    sizes = cache_bytes(SHAPES["llava-ov-7b"], torch.float16, prefix_len=14, tokens_per_frame=196, chunk_frames=16,
+                        budget=6000, dense_frames=64)
+    per_token = 2 * 128 * 2
+    h2svc = 11 * (14 + 4 * 196) + 45 * (14 + 16 * 196) + 56 * (14 + 64 * 196)
+    assert sizes["h2svc"] == (h2svc * per_token, (h2svc + 112 * 16 * 196) * per_token)
+    assert sizes["dense 64-frame"][0] == 112 * (14 + 64 * 196) * per_token
+    assert sizes["hermes b=6000"][0] == 112 * (14 + 6000) * per_token
+    assert 0.60 < sizes["h2svc"][0] / sizes["dense 64-frame"][0] < 0.61
+
+
+def test_h2svc_points_run_only_h2svc_stages_and_count_their_movers():
+    """An H2SVC point measures the H2SVC stages only; its FIFO blocks move min(F, W) frames a row, the episodic
+    block the arrivals STCE kept (between 1 and min(F, N_e) a row: the newest arrival always stays)."""
+    spec = Spec(shape=SMOKE_SHAPES["smoke-1d"], budget=0, chunk_frames=3, dtype=torch.float32,
+                device=torch.device("cpu"), tokens_per_frame=8, policy="h2svc")
+    inputs = make_inputs(spec)
+    cfg = spec.h2svc_cfg
+    assert inputs.movers[0] == cfg.num_rows(0) * min(3, cfg.window(0))
+    assert inputs.movers[1] == cfg.num_rows(1) * min(3, cfg.window(1))
+    assert cfg.num_rows(2) <= inputs.movers[2] <= cfg.num_rows(2) * 3
+    args = cli.parse_args(["--quick", "--no-memory"])
+    rows = cli.measure([spec], ["scores", "h2svc_stce", "h2svc_step"], ("torch",), args, torch.device("cpu"))
+    assert [r.stage for r in rows] == ["h2svc_stce", "h2svc_step"] and all(r.ok and r.budget == 0 for r in rows)
+    assert rows[1].has_floor and rows[1].bytes_moved > 0
 
 
 def test_unavailable_and_failing_backends_become_rows_not_crashes(monkeypatch):
@@ -153,3 +183,4 @@ def test_quick_main_job_runs(tmp_path, capsys):
     assert code == 0, out
     assert (tmp_path / f"{report.device_kind(DEVICE)}.csv").stat().st_size > 0
     assert "step" in out and "copy bandwidth" in out
+    assert "h2svc_step" in out and "cache K+V bytes" in out

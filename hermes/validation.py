@@ -2,6 +2,8 @@
 
 Every check runs before anything is written, so a failed call leaves the cache untouched. Errors name the
 argument and the expected shape. The only host synchronisation is the finiteness test of `attn`.
+`check_tensor`, `check_same_device` and `check_rotary` are the engine's generic checks: the H2SVC checks
+(`hermes.h2svc.validation`) build on them.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SCORE_DTYPES = (torch.float32, torch.float64)
 
 
-def _tensor(name: str, x, ndim: Sequence[int], dtypes: Sequence[torch.dtype], shape_doc: str) -> None:
+def check_tensor(name: str, x, ndim: Sequence[int], dtypes: Sequence[torch.dtype], shape_doc: str) -> None:
+    """x is a torch.Tensor (else TypeError) with x.dim() in `ndim` (else ValueError) and a dtype in `dtypes` (else
+    TypeError); every message names the argument `name` and quotes `shape_doc`. Shared by both policies."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor {shape_doc}, got {type(x).__name__}")
     if x.dim() not in ndim:
@@ -25,9 +29,22 @@ def _tensor(name: str, x, ndim: Sequence[int], dtypes: Sequence[torch.dtype], sh
                         f"{[str(d) for d in dtypes]}")
 
 
-def _same_device(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+def check_same_device(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """ValueError naming `name` unless x lives on ref's device."""
     if x.device != ref.device:
         raise ValueError(f"{name}: on {x.device} but {ref_name} is on {ref.device}; pass both on one device")
+
+
+def check_rotary(inv_freq, mrope_section: Sequence[int] | None, head_dim: int) -> None:
+    """inv_freq [D/2] float; mrope_section None (1D RoPE) or three pair counts (t, h, w) summing to D/2."""
+    check_tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[D/2]")
+    if inv_freq.numel() != head_dim // 2:
+        raise ValueError(f"inv_freq: expected [D/2={head_dim // 2}], got {tuple(inv_freq.shape)}")
+    if mrope_section is not None:
+        section = list(mrope_section)
+        if len(section) != 3 or any(int(s) < 0 for s in section) or sum(int(s) for s in section) != head_dim // 2:
+            raise ValueError(f"mrope_section: expected three pair counts (t, h, w) summing to D/2={head_dim // 2}, "
+                             f"got {section}")
 
 
 def _config(cfg) -> None:
@@ -37,9 +54,9 @@ def _config(cfg) -> None:
 
 def check_pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> None:
     """q [B,H,Q,D] / k [B,Hkv,N,D], or stacked [L,B,H,Q,D] / [L,B,Hkv,N,D]; H % Hkv == 0, 1 <= Q <= N."""
-    _tensor("q", q, (4, 5), CACHE_DTYPES, "[B, H, Q, D] or [L, B, H, Q, D]")
-    _tensor("k", k, (q.dim(),), CACHE_DTYPES, "[B, Hkv, N, D]" if q.dim() == 4 else "[L, B, Hkv, N, D]")
-    _same_device("k", k, "q", q)
+    check_tensor("q", q, (4, 5), CACHE_DTYPES, "[B, H, Q, D] or [L, B, H, Q, D]")
+    check_tensor("k", k, (q.dim(),), CACHE_DTYPES, "[B, Hkv, N, D]" if q.dim() == 4 else "[L, B, Hkv, N, D]")
+    check_same_device("k", k, "q", q)
     if k.dtype != q.dtype:
         raise TypeError(f"k: dtype {k.dtype} differs from q's {q.dtype}")
     lead = q.shape[:-3]
@@ -60,7 +77,7 @@ def check_pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None
 def check_attn(attn: torch.Tensor, cfg: HermesConfig, num_visual: int | None = None) -> None:
     """attn [L, B, V] float32/float64, finite; L = cfg.num_layers; V = num_visual when given."""
     _config(cfg)
-    _tensor("attn", attn, (3,), SCORE_DTYPES, "[L, B, V] float32")
+    check_tensor("attn", attn, (3,), SCORE_DTYPES, "[L, B, V] float32")
     L, B, V = attn.shape
     if L != cfg.num_layers:
         raise ValueError(f"attn: expected [L={cfg.num_layers}, B, V], got {tuple(attn.shape)}")
@@ -77,7 +94,7 @@ def check_attn(attn: torch.Tensor, cfg: HermesConfig, num_visual: int | None = N
 def check_scores(scores: torch.Tensor, cfg: HermesConfig) -> None:
     """scores [L, B, V] float32/float64 with L = cfg.num_layers (finiteness is checked on attn upstream)."""
     _config(cfg)
-    _tensor("scores", scores, (3,), SCORE_DTYPES, "[L, B, V] float32")
+    check_tensor("scores", scores, (3,), SCORE_DTYPES, "[L, B, V] float32")
     if scores.shape[0] != cfg.num_layers or scores.shape[1] < 1 or scores.shape[2] < 1:
         raise ValueError(f"scores: expected [L={cfg.num_layers}, B>=1, V>=1], got {tuple(scores.shape)}")
 
@@ -99,8 +116,8 @@ def check_compacted_flag(compacted_flag, keys: torch.Tensor) -> None:
     """compacted_flag: None, or a 0-dim bool tensor on keys' device (the caller's re-index decision, §2.7)."""
     if compacted_flag is None:
         return
-    _tensor("compacted_flag", compacted_flag, (0,), (torch.bool,), "[] (0-dim) bool")
-    _same_device("compacted_flag", compacted_flag, "keys", keys)
+    check_tensor("compacted_flag", compacted_flag, (0,), (torch.bool,), "[] (0-dim) bool")
+    check_same_device("compacted_flag", compacted_flag, "keys", keys)
 
 
 def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, cfg: HermesConfig,
@@ -109,13 +126,13 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
     inv_freq [D/2], mrope_section summing to D/2 when given; N > prefix_len. L = len(layers), the layers of
     cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`."""
     _config(cfg)
-    _tensor("keys", keys, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
-    _tensor("values", values, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
+    check_tensor("keys", keys, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
+    check_tensor("values", values, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
     if values.shape != keys.shape:
         raise ValueError(f"values: expected the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
     if values.dtype != keys.dtype:
         raise TypeError(f"values: dtype {values.dtype} differs from keys' {keys.dtype}")
-    _same_device("values", values, "keys", keys)
+    check_same_device("values", values, "keys", keys)
     L, B, Hkv, N, D = keys.shape
     expected_layers = cfg.num_layers if layers is None else len(layers)
     if L != expected_layers:
@@ -128,29 +145,22 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
     if D % 2:
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
     expected = [L, B, 3, N] if mrope_section is not None else [L, B, N]
-    _tensor("positions", positions, (len(expected),), (torch.int64,),
+    check_tensor("positions", positions, (len(expected),), (torch.int64,),
             f"{expected} int64" + (" (M-RoPE: t, h, w)" if mrope_section is not None else ""))
     if list(positions.shape) != expected:
         raise ValueError(f"positions: expected {expected} int64, got {tuple(positions.shape)}")
-    _same_device("positions", positions, "keys", keys)
-    _tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[D/2]")
-    if inv_freq.numel() != D // 2:
-        raise ValueError(f"inv_freq: expected [D/2={D // 2}], got {tuple(inv_freq.shape)}")
-    if mrope_section is not None:
-        section = list(mrope_section)
-        if len(section) != 3 or any(int(s) < 0 for s in section) or sum(int(s) for s in section) != D // 2:
-            raise ValueError(f"mrope_section: expected three pair counts (t, h, w) summing to D/2={D // 2}, "
-                             f"got {section}")
+    check_same_device("positions", positions, "keys", keys)
+    check_rotary(inv_freq, mrope_section, D)
 
 
 def check_keep(keep: torch.Tensor, keys: torch.Tensor, cfg: HermesConfig) -> None:
     """keep int64 [L, B, min(budget, V)] on keys' device (as returned by `select_keep`)."""
     L, B, _, N, _ = keys.shape
     n = min(cfg.budget, N - cfg.prefix_len)
-    _tensor("keep", keep, (3,), (torch.int64,), f"[L={L}, B={B}, n={n}] int64")
+    check_tensor("keep", keep, (3,), (torch.int64,), f"[L={L}, B={B}, n={n}] int64")
     if list(keep.shape) != [L, B, n]:
         raise ValueError(f"keep: expected [L={L}, B={B}, n={n}] int64, got {tuple(keep.shape)}")
-    _same_device("keep", keep, "keys", keys)
+    check_same_device("keep", keep, "keys", keys)
 
 
 def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) -> None:
@@ -159,7 +169,7 @@ def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) 
     check_attn(attn, cfg, num_visual=keys.shape[3] - cfg.prefix_len)
     if attn.shape[1] != keys.shape[1]:
         raise ValueError(f"attn: expected [L, B={keys.shape[1]}, V], got {tuple(attn.shape)}")
-    _same_device("attn", attn, "keys", keys)
+    check_same_device("attn", attn, "keys", keys)
 
 
 def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None) -> None:

@@ -1,7 +1,9 @@
-"""Fused HERMES compression: tensors in, tensors out (DESIGN.md §3).
+"""Fused KV-cache policies: tensors in, tensors out. HERMES compression (DESIGN.md §3) and the H2SVC frame
+memories (H2SVC.md; `frame_features`, `stce_select`, `h2svc_step`) on one engine.
 
-Every public op validates its inputs (via `hermes.validation`) before anything is written, then dispatches to
-one of two backends that implement the same contract as `hermes.reference`:
+Every public op validates its inputs (via `hermes.validation` / `hermes.h2svc.validation`) before anything is
+written, then dispatches to one of two backends that implement the same contract as `hermes.reference` /
+`hermes.h2svc.reference`:
   "triton" — fused Triton kernels (CUDA tensors; CPU through TRITON_INTERPRET=1 for testing),
   "torch"  — vectorised PyTorch over layers and streams, no Python loop over layers, no host syncs; on CPU the
              compaction of an fp32 or bf16 cache moves its rows in one C pass (compact_cpu.c, see `compact.py`),
@@ -16,20 +18,27 @@ from typing import Sequence
 import torch
 
 from hermes.config import HermesConfig
+from hermes.h2svc import H2SVCConfig
+from hermes.h2svc.reference import H2SVCStepResult
+from hermes.h2svc.validation import check_frame_features, check_h2svc_step, check_stce
 from hermes.reference import CompressResult
 from hermes.validation import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep,
                                check_layers, check_pooled_attention, check_scores, check_stacks)
 
 from . import compact as _compact
+from . import frame_features as _frame_features
+from . import frame_update as _frame_update
 from . import pooled_attention as _pooled
 from . import scoring as _scoring
 from . import select as _select
+from . import stce as _stce
 from .launch import launch_count
 
 BACKENDS = ("auto", "triton", "torch")
 
 __all__ = ["pooled_attention", "hermes_scores", "select_keep", "compact", "compress_step", "compress_stacks",
-           "CompressResult", "resolve_backend", "launch_count", "BACKENDS"]
+           "CompressResult", "frame_features", "stce_select", "h2svc_step", "H2SVCStepResult", "resolve_backend",
+           "launch_count", "BACKENDS"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -144,3 +153,50 @@ def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequ
                                mrope_section, layers, None if fused else flag.to(device))
         flag = decided if fused else flag
     return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), compacted_flag=flag)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# H2SVC (H2SVC.md): per-class frame memories; the same dispatch, checks from hermes.h2svc.validation
+# ----------------------------------------------------------------------------------------------------------------
+
+def frame_features(values: torch.Tensor, tokens_per_frame: int, backend: str = "auto") -> torch.Tensor:
+    """Mean value vector of every frame (H2SVC.md §3): values [H, B, F·T_f, D] fp16/bf16/fp32/fp64 (any strides,
+    e.g. the arriving frames' slots of a class block) -> float32 [H, B, F, D] (float64 for float64 values)."""
+    check_frame_features(values, tokens_per_frame)
+    impl = _pick(backend, values.device, _frame_features.frame_features_triton,
+                 _frame_features.frame_features_torch)
+    return impl(values, tokens_per_frame)
+
+
+def stce_select(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
+                capacity: int, backend: str = "auto") -> torch.Tensor:
+    """Kept frame indices int64 [H, B, capacity] (ascending, -1 padded) after STCE over one chunk (H2SVC.md §3).
+
+    features float32 [H, B, W, D] (the held frames' features, any slot order; float64 allowed), frames int64
+    [H, B, W] (their stream indices, -1 empty, valid ones distinct), arriving [H, B, F, D] of features' dtype in
+    arrival order (arrival i is frame first_frame + i, newer than every held frame), capacity N_e >= 2.
+    """
+    check_stce(features, frames, arriving, first_frame, capacity)
+    impl = _pick(backend, features.device, _stce.stce_select_triton, _stce.stce_select_torch)
+    return impl(features, frames, arriving, first_frame, capacity)
+
+
+def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, slot_frames: torch.Tensor,
+               cfg: H2SVCConfig, cls, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
+               held: int, num_frames: int, first_frame: int, reindex: bool, next_position: int,
+               features: torch.Tensor | None = None, backend: str = "auto") -> H2SVCStepResult:
+    """One H2SVC step of one class block, in place; same contract as `hermes.h2svc.reference.h2svc_step`.
+
+    keys/values [H_c, B, C, D] fp16/bf16/fp32/fp64 (any strides); positions int64 [H_c, B, C] or [H_c, B, 3, C]
+    (M-RoPE with mrope_section); slot_frames int64 [H_c, B, W] (W = cfg.window(cls)); features float32
+    [H_c, B, W, D] for EPISODIC blocks, None otherwise; cls INSTANT/SHORT/EPISODIC or its name; held, num_frames,
+    first_frame, reindex and next_position are the caller's host values (no host sync on CUDA: the contents checks
+    run on CPU tensors only). Result: held' = min(W, held + F), kept = slot_frames (the same tensor, updated),
+    compacted = reindex.
+    """
+    cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held,
+                           num_frames, first_frame, reindex, next_position, features)
+    impl = _pick(backend, keys.device, _frame_update.h2svc_step_triton, _frame_update.h2svc_step_torch)
+    held_after = impl(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held, num_frames,
+                      first_frame, reindex, next_position, features)
+    return H2SVCStepResult(held=held_after, kept=slot_frames, compacted=reindex)

@@ -67,3 +67,10 @@ def synthetic_positions(L: int, B: int, N: int, prefix_len: int, generator: torc
     h = torch.cat([prefix, (prefix_len + start + grid // 2).expand(L, B, V)], dim=-1)
     w = torch.cat([prefix, (prefix_len + start + grid % 2).expand(L, B, V)], dim=-1)
     return torch.stack([t, h, w], dim=2).to(device)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same bytes (NaN payloads included, so a poisoned tensor compares equal to its copy)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))

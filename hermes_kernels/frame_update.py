@@ -1,0 +1,349 @@
+"""H2SVC stage (c): the in-place, frame-granular update of one class block after a chunk (H2SVC.md §3-§5; the
+engine interface of issue 9).
+
+State of a class block with window W frames (T_f tokens each, prefix P), rows = the class's (layer, KV head)s:
+keys/values [H_c, B, C, D], positions [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE), slot_frames [H_c, B, W] and,
+for EPISODIC, features [H_c, B, W, D]. Frame slot s covers tokens [P + s·T_f, P + (s+1)·T_f); home slots are
+s < W. `held` frames sit in home slots [0, held); the chunk's F arrivals were written at frame slots held .. held+F-1
+(the ones from W on are overflow slots).
+
+One step, every row at once:
+ 1. keep set: FIFO classes keep the newest min(W, held + F) frames; EPISODIC runs STCE (`stce.py`) over the held
+    frames and the arrivals' features (`frame_features.py`) with capacity W;
+ 2. slot plan (interface, ours): kept frames in home slots stay; `free` = home slots < held' = min(W, held + F)
+    whose frame is not kept, ascending; `movers` = kept frames in overflow slots, in arrival order; mover k goes
+    to free[k]. A mover's K, V, positions and feature move with it; its source slots are left as they were;
+ 3. slot_frames <- the frame in each home slot (-1 from held' on); features of arrivals <- their frame features;
+ 4. when `reindex` (the caller's decision): the retained visual tokens of every row get, per axis, new = P + shift
+    + dense rank among the row's retained values on that axis, shift = (next_position - P) - E, E = the largest
+    distinct count over the axes: every row's newest coordinate lands at next_position - 1 (right alignment,
+    §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32 (`hermes.rope`).
+
+The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it
+reads no tensor on the host (held, F, first_frame, next_position and reindex are the caller's host values), so
+a step on CUDA does not synchronise. The row work is what the backends differ in:
+  h2svc_step_triton — ONE move launch (grid: rows·streams·work items × token tiles) after the feature and STCE
+      launches of an EPISODIC block;
+  h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
+      `compact._rows_native`): every row walked once, left to right, in place; otherwise (fp16, fp64, CUDA
+      tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the "torch-ops" path) torch ops over all rows at once:
+      one indexed copy of the movers' frames, or compaction's tiled rotation (`compact._rows_torch`).
+Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
+  reindex False: the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
+      their positions; nothing else in the cache is touched;
+  reindex True:  every retained key too: read and write held'·T_f key rows (rotated in place, or from a mover's
+      slot) and the movers' value rows, plus held'·T_f positions per axis.
+In place is safe: a work item reads only its own slot or an overflow slot, and no item writes an overflow slot.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hermes.h2svc import EPISODIC, H2SVCConfig
+
+from . import frame_features as _features
+from . import stce as _stce
+from .compact import _dense_rank, _dense_rank_counting, _rows_native, _rows_torch, _use_native
+from .launch import launch
+
+__all__ = ["h2svc_step_torch", "h2svc_step_triton", "plan_step", "RowWork", "fifo_keep_mask", "slot_plan"]
+
+_TL_WORK = {torch.float32: tl.float32, torch.float64: tl.float64}
+# Triton move kernel: at most this many [token, pair] elements per register tile (32 tokens x 64 pairs at D = 128)
+_TILE_ELEMENTS = 2048
+
+
+def _frame_of_slot(slot_frames: torch.Tensor, held: int, num_frames: int, first_frame: int) -> torch.Tensor:
+    """int64 [H_c, B, held + F]: the stream frame index in every frame slot (held frames, then the arrivals)."""
+    H, B, _ = slot_frames.shape
+    arrivals = first_frame + torch.arange(num_frames, device=slot_frames.device)
+    return torch.cat([slot_frames[..., :held], arrivals.expand(H, B, num_frames)], dim=-1)
+
+
+def fifo_keep_mask(frame_of_slot: torch.Tensor, held: int, window: int) -> torch.Tensor:
+    """bool [H_c, B, held + F]: which frame slots a FIFO head keeps, the newest min(W, held + F) frames (§1).
+
+    Arrivals are newer than every held frame, so the newest min(F, K) arrivals are kept and, of the held frames,
+    the K - min(F, K) newest (ranked by frame index, whatever their slot order).
+    """
+    H, B, S = frame_of_slot.shape
+    F = S - held
+    kept = min(window, S)
+    from_arrivals = min(F, kept)
+    held_frames = frame_of_slot[..., :held]
+    newer = (held_frames.unsqueeze(-1) < held_frames.unsqueeze(-2)).sum(dim=-1)
+    arrivals = torch.arange(F, device=frame_of_slot.device) >= F - from_arrivals
+    return torch.cat([newer < kept - from_arrivals, arrivals.expand(H, B, F)], dim=-1)
+
+
+def slot_plan(kept_slot: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot plan of step 2 from the keep mask bool [H_c, B, S] over frame slots (S = held + F).
+
+    Returns source int64 [H_c, B, held'] (the frame slot each home slot takes its frame from after the step: itself,
+    or the overflow slot of the mover it receives) and destination int64 [H_c, B, S - held'] (the home slot each
+    overflow slot's frame moves to, -1 if it was evicted). Assumes the keep set has held' frames (so movers and free
+    slots pair up), as FIFO and STCE keep sets do.
+    """
+    H, B, S = kept_slot.shape
+    home_count = min(window, S)
+    overflow = S - home_count
+    device = kept_slot.device
+    home = torch.arange(home_count, device=device).expand(H, B, home_count)
+    if overflow == 0:
+        return home.contiguous(), torch.empty((H, B, 0), dtype=torch.int64, device=device)
+    free = ~kept_slot[..., :home_count]
+    mover = kept_slot[..., window:]
+    # free slots by rank (ascending); slots that are not free go to the extra column `overflow`, dropped
+    by_rank = torch.full((H, B, overflow + 1), -1, dtype=torch.int64, device=device)
+    by_rank.scatter_(-1, torch.where(free, free.cumsum(dim=-1) - 1, overflow).clamp_(max=overflow), home)
+    destination = torch.where(mover, by_rank.gather(-1, (mover.cumsum(dim=-1) - 1).clamp_(min=0)), -1)
+    # every home slot keeps its own frame unless a mover lands there; non-movers scatter into an extra column
+    source = torch.cat([home, home[..., :1]], dim=-1).contiguous()
+    overflow_slots = (window + torch.arange(overflow, device=device)).expand(H, B, overflow)
+    source.scatter_(-1, torch.where(mover, destination, home_count), overflow_slots)
+    return source[..., :home_count], destination
+
+
+def _tokens(frame_slots: torch.Tensor, prefix_len: int, tokens_per_frame: int) -> torch.Tensor:
+    """int64 [..., n·T_f]: the cache token slots of frame slots [..., n], frame by frame."""
+    token = torch.arange(tokens_per_frame, device=frame_slots.device)
+    return (prefix_len + frame_slots.unsqueeze(-1) * tokens_per_frame + token).flatten(-2)
+
+
+def _right_aligned(old: torch.Tensor, next_position: int) -> torch.Tensor:
+    """New positions [H_c, B, A, n] of retained visual tokens with old positions `old` (step 4, §4).
+
+    Per row and axis: dense rank among the row's values on that axis, shifted so the largest coordinate of the
+    row (over all axes) is next_position - 1. Ranks: compaction's counting rank on CPU (it reads value spans on
+    the host, free for CPU tensors), its sort rank elsewhere (no host sync).
+    """
+    dense_rank = _dense_rank_counting if old.device.type == "cpu" else _dense_rank
+    rank = dense_rank(old, torch.ones(1, dtype=torch.bool, device=old.device))
+    extent = rank.amax(dim=-1).amax(dim=-1) + 1  # E: the largest number of distinct values over the axes
+    return rank + (next_position - extent).view(*extent.shape, 1, 1)
+
+
+@dataclasses.dataclass
+class RowWork:
+    """The row work of one step, planned: what the backends' movers execute (see the module docstring).
+
+    held: held' = min(W, held + F). source int64 [H_c, B, held']: the frame slot each home slot takes its frame
+    from (itself, or a mover's overflow slot). destination int64 [H_c, B, held + F - held']: the home slot each
+    overflow slot's frame moves to, -1 when it was evicted. delta: None without re-indexing, else int64
+    [H_c, B, A, held'·T_f], the rotation of every retained token (home slot order, token order).
+    """
+
+    held: int
+    window: int
+    source: torch.Tensor
+    destination: torch.Tensor
+    delta: torch.Tensor | None
+
+
+def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, mrope_section, held: int,
+              num_frames: int, first_frame: int, reindex: bool, next_position: int, features, feature_op,
+              stce_op) -> RowWork:
+    """Steps 1-4 except the row work, in place: keep sets, slot plan, positions, slot_frames and features.
+
+    Arguments as `h2svc_step_torch`; feature_op / stce_op are the backend's stage (a) and (b) implementations.
+    Reads old positions (of the tokens each home slot will hold) before writing the new ones; K/V are not touched.
+    """
+    W, P, T = cfg.window(cls), cfg.prefix_len, cfg.tokens_per_frame
+    H, B = slot_frames.shape[:2]
+    S = held + num_frames
+    held_after = min(W, S)
+    frame_of_slot = _frame_of_slot(slot_frames, held, num_frames, first_frame)
+    arriving = None
+    if cls == EPISODIC:
+        arriving = feature_op(values[:, :, P + held * T:P + S * T], T)
+        # only the first `held` home slots hold frames (validated on CPU; enforced here on every device)
+        frames = slot_frames.masked_fill(torch.arange(W, device=slot_frames.device) >= held, -1)
+        kept = stce_op(features, frames, arriving, first_frame, W)
+        kept_slot = (frame_of_slot.unsqueeze(-1) == kept.unsqueeze(-2)).any(dim=-1)
+    else:
+        kept_slot = fifo_keep_mask(frame_of_slot, held, W)
+    source, destination = slot_plan(kept_slot, W)
+
+    pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [H_c, B, A, C] view
+    A = pos.shape[2]
+    delta = None
+    if reindex:
+        old = pos.gather(-1, _tokens(source, P, T).unsqueeze(2).expand(H, B, A, held_after * T))
+        new = _right_aligned(old, next_position)
+        pos[..., P:P + held_after * T] = new
+        delta = new - old
+    elif destination.shape[-1]:
+        overflow = W + torch.arange(destination.shape[-1], device=keys.device)
+        # evicted overflow frames write their positions onto themselves: a no-op that keeps the op one scatter
+        src_tokens = _tokens(overflow.expand_as(destination), P, T)
+        dst_tokens = _tokens(torch.where(destination >= 0, destination, overflow), P, T)
+        pos.scatter_(-1, dst_tokens.unsqueeze(2).expand(H, B, A, -1),
+                     pos.gather(-1, src_tokens.unsqueeze(2).expand(H, B, A, -1)))
+
+    slot_frames[..., :held_after] = frame_of_slot.gather(-1, source)
+    slot_frames[..., held_after:] = -1
+    if arriving is not None:
+        arrived = (source >= held).unsqueeze(-1)  # a frame of this chunk now sits in that home slot
+        incoming = arriving.gather(-2, (source - held).clamp_(min=0).unsqueeze(-1).expand_as(
+            features[..., :held_after, :]))
+        features[..., :held_after, :] = torch.where(arrived, incoming, features[..., :held_after, :])
+    return RowWork(held_after, W, source, destination, delta)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch twin
+# ----------------------------------------------------------------------------------------------------------------
+
+def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mrope_section) -> None:
+    """Row work on torch tensors: compaction's C walk on CPU fp32/bf16 caches, else torch ops over all rows."""
+    P, T = cfg.prefix_len, cfg.tokens_per_frame
+    H, B = keys.shape[:2]
+    moves = work.destination.shape[-1]
+    if work.delta is None and moves == 0:
+        return
+    k5, v5 = keys.unsqueeze(2), values.unsqueeze(2)  # compaction's movers take [L, B, Hkv, N, D]
+    home_tokens = _tokens(work.source, P, T)  # the C walk and the tiled rotation write list entry i to slot P + i
+    if _use_native(None, k5, v5):
+        delta = work.delta
+        if delta is None:  # zero deltas: the walk skips every token that stays, and copies the movers exactly
+            A = 3 if mrope_section is not None else 1
+            delta = torch.zeros((H, B, A, home_tokens.shape[-1]), dtype=torch.int64, device=keys.device)
+        _rows_native(k5, v5, P, home_tokens, delta, H, None, None, inv_freq, mrope_section)
+    elif work.delta is not None:
+        _rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
+    else:
+        # whole frames move: index the [H_c, B, frame slot] dims of a [H_c, B, S, T_f, D] view, so each mover is
+        # one block copy; evicted overflow frames are copied onto themselves (a no-op that keeps it one index op)
+        overflow = work.window + torch.arange(moves, device=keys.device)
+        rows = torch.arange(H, device=keys.device).view(H, 1, 1)
+        streams = torch.arange(B, device=keys.device).view(1, B, 1)
+        target = torch.where(work.destination >= 0, work.destination, overflow)
+        for x in (keys, values):
+            frames = x[:, :, P:P + (work.window + moves) * T].unflatten(2, (work.window + moves, T))
+            frames[rows, streams, target] = frames[:, :, work.window:].clone()  # the movers, read before any write
+
+
+def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
+                     mrope_section: Sequence[int] | None, held: int, num_frames: int, first_frame: int,
+                     reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
+    """One H2SVC step on a class block, in place, vectorised over rows and streams; inputs validated (see the
+    module docstring for the state and the steps). Returns held' = min(W, held + F)."""
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, mrope_section, held, num_frames, first_frame,
+                     reindex, next_position, features, _features.frame_features_torch, _stce.stce_select_torch)
+    _move_rows_torch(keys, values, work, cfg, inv_freq, mrope_section)
+    return work.held
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton: one move launch
+# ----------------------------------------------------------------------------------------------------------------
+
+# Grid (H_c·B·J, cdiv(T_f, BLOCK_T)): a program takes one tile of one work item's tokens: it reads each token's key
+# row (and value row, when the item changes slot) once from the source frame slot and writes it to the destination.
+# Sources are the item's own slot or an overflow slot, which no program writes, so programs need no ordering.
+@triton.jit
+def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
+                       sk_h, sk_b, sk_n, sk_d, sv_h, sv_b, sv_n, sv_d,
+                       B, J, T, P, HALF,
+                       A: tl.constexpr, ROTATE: tl.constexpr, T_END: tl.constexpr, H_END: tl.constexpr,
+                       WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    pid = tl.program_id(0)  # (row, stream, item), item fastest
+    item = pid % J
+    row_stream = pid // J
+    row = row_stream // B
+    stream = row_stream % B
+    src = tl.load(src_ptr + pid)
+    dst = tl.load(dst_ptr + pid)
+    token = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pair = tl.arange(0, BLOCK_PAIRS)
+    in_dim = pair < HALF
+    live = (token < T) & (tl.zeros_like(token) + dst >= 0)
+    if ROTATE:
+        # §4: angle = delta·inv_freq from the integer delta, per M-RoPE section
+        inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
+        delta_row = delta_ptr + row_stream.to(tl.int64) * A * J * T + item * T + token
+        d0 = tl.load(delta_row, mask=live, other=0)
+        if A == 3:
+            d1 = tl.load(delta_row + J * T, mask=live, other=0)
+            d2 = tl.load(delta_row + 2 * J * T, mask=live, other=0)
+            axis = (pair >= T_END).to(tl.int32) + (pair >= H_END).to(tl.int32)
+            turned = (d0 != 0) | (d1 != 0) | (d2 != 0)
+            delta = tl.where(axis[None, :] == 0, d0[:, None], tl.where(axis[None, :] == 1, d1[:, None], d2[:, None]))
+        else:
+            turned = d0 != 0
+            delta = d0[:, None]
+        angle = delta.to(WORK) * inv_freq[None, :]
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    else:
+        turned = token < 0
+    moved = tl.zeros_like(token) + src != dst
+    move_k = live & (moved | turned)
+    move_v = live & moved
+    k_base = k_ptr + row.to(tl.int64) * sk_h + stream.to(tl.int64) * sk_b
+    v_base = v_ptr + row.to(tl.int64) * sv_h + stream.to(tl.int64) * sv_b
+    k_src = k_base + (P + src * T + token).to(tl.int64)[:, None] * sk_n
+    k_dst = k_base + (P + dst * T + token).to(tl.int64)[:, None] * sk_n
+    v_src = v_base + (P + src * T + token).to(tl.int64)[:, None] * sv_n
+    v_dst = v_base + (P + dst * T + token).to(tl.int64)[:, None] * sv_n
+    mask_k = move_k[:, None] & in_dim[None, :]
+    mask_v = move_v[:, None] & in_dim[None, :]
+    k1 = tl.load(k_src + pair[None, :] * sk_d, mask=mask_k, other=0)
+    k2 = tl.load(k_src + (pair + HALF)[None, :] * sk_d, mask=mask_k, other=0)
+    v1 = tl.load(v_src + pair[None, :] * sv_d, mask=mask_v, other=0)
+    v2 = tl.load(v_src + (pair + HALF)[None, :] * sv_d, mask=mask_v, other=0)
+    if ROTATE:
+        w1 = k1.to(WORK)
+        w2 = k2.to(WORK)
+        k1 = (w1 * cos - w2 * sin).to(k_ptr.dtype.element_ty)
+        k2 = (w2 * cos + w1 * sin).to(k_ptr.dtype.element_ty)
+    tl.store(k_dst + pair[None, :] * sk_d, k1, mask=mask_k)
+    tl.store(k_dst + (pair + HALF)[None, :] * sk_d, k2, mask=mask_k)
+    tl.store(v_dst + pair[None, :] * sv_d, v1, mask=mask_v)
+    tl.store(v_dst + (pair + HALF)[None, :] * sv_d, v2, mask=mask_v)
+
+
+def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mrope_section) -> None:
+    """Row work in one launch of `_frame_move_kernel`: re-indexing, one item per home slot (every retained key
+    rotates); otherwise one per overflow slot (only movers change slot). Nothing launches when there is no work."""
+    P, T = cfg.prefix_len, cfg.tokens_per_frame
+    H, B, _, D = keys.shape
+    if work.delta is not None:
+        home = torch.arange(work.held, device=keys.device).expand_as(work.source)
+        source, destination = work.source.contiguous(), home.contiguous()
+        delta = work.delta.contiguous()
+    else:
+        overflow = work.window + torch.arange(work.destination.shape[-1], device=keys.device)
+        source, destination = overflow.expand_as(work.destination).contiguous(), work.destination.contiguous()
+        delta = destination  # not read (ROTATE off)
+    J = source.shape[-1]
+    if J == 0:
+        return
+    half = D // 2
+    t_end = h_end = half
+    if mrope_section is not None:
+        t_end = int(mrope_section[0])
+        h_end = t_end + int(mrope_section[1])
+    work_dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    block_pairs = triton.next_power_of_2(half)
+    block_t = min(triton.next_power_of_2(T), max(1, _TILE_ELEMENTS // block_pairs))
+    launch(_frame_move_kernel, (H * B * J, triton.cdiv(T, block_t)), keys, values, source, destination, delta,
+           inv_freq.to(device=keys.device, dtype=work_dtype), *keys.stride(), *values.stride(), B, J, T, P, half,
+           A=3 if mrope_section is not None else 1, ROTATE=work.delta is not None, T_END=t_end, H_END=h_end,
+           WORK=_TL_WORK[work_dtype], BLOCK_T=block_t, BLOCK_PAIRS=block_pairs)
+
+
+def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
+                      mrope_section: Sequence[int] | None, held: int, num_frames: int, first_frame: int,
+                      reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
+    """`h2svc_step_torch` with the features, the STCE walk and the row work as Triton launches (3 for an
+    EPISODIC block, 1 for a FIFO block, none when nothing moves); the plan is torch ops, no host sync."""
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, mrope_section, held, num_frames, first_frame,
+                     reindex, next_position, features, _features.frame_features_triton, _stce.stce_select_triton)
+    _move_rows_triton(keys, values, work, cfg, inv_freq, mrope_section)
+    return work.held
