@@ -13,8 +13,10 @@ setup(
         "transformers>=5.0,<6",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6"],
+        # av: the tests write and decode .mp4 files (python -m hermes needs it too, see "video")
+        "test": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6", "av>=12"],
         "bench": ["matplotlib>=3.7"],
+        "video": ["av>=12", "tqdm>=4.60"],  # python -m hermes: PyAV decodes, tqdm shows progress
         "flash": ["flash-attn>=2.6"],
     },
 )

@@ -7,12 +7,15 @@ separated (selection then does not hinge on rounding).
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, PreTrainedTokenizerFast,
-                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
+from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                          LlavaOnevisionImageProcessorPil, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil)
 
 from hermes.guidance import guidance_prompts
 from hermes.models.llava_ov import LlavaOneVision
@@ -98,3 +101,61 @@ def qwen_pixels(batch: int, frames: int, generator: torch.Generator, height: int
     grid = torch.tensor([frames // 2, height // 2, width // 2])
     rows = batch * int(grid.prod())
     return torch.randn(rows, 3 * 2 * 2 * 2, generator=generator).to(dtype), grid.expand(batch, 3).clone()
+
+
+# Tiny Qwen2.5-VL frames: smart_resize to multiples of patch 2 x merge 2 with 64..256 pixels (a 48 x 64 frame
+# becomes 12 x 16: a 6 x 8 patch grid, 3 x 4 merged tokens per temporal step).
+TINY_QWEN_PIXELS = (8 * 8, 16 * 16)
+
+
+def tiny_video_processor_config(model_type: str) -> dict:
+    """The video processor settings of a tiny checkpoint, as transformers' video processor saves them
+    (video_preprocessor_config.json): LLaVA-OV frames resized to the 16 x 16 tower; Qwen2.5-VL patch 2, merge
+    2, temporal patch 2 and TINY_QWEN_PIXELS. Means and stds are the CLIP ones both processors default to."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    common = dict(resample=3, rescale_factor=1 / 255, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
+                  do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, do_sample_frames=False)
+    if model_type == "llava_onevision":
+        return dict(video_processor_type="LlavaOnevisionVideoProcessor", size={"height": 16, "width": 16}, **common)
+    if model_type == "qwen2_5_vl":
+        return dict(video_processor_type="Qwen2VLVideoProcessor", patch_size=2, temporal_patch_size=2, merge_size=2,
+                    size={"shortest_edge": TINY_QWEN_PIXELS[0], "longest_edge": TINY_QWEN_PIXELS[1]}, **common)
+    raise ValueError(f"model_type: expected llava_onevision or qwen2_5_vl, got {model_type!r}")
+
+
+def tiny_image_processor(model_type: str):
+    """The PIL image processor of a tiny checkpoint (saved as LlavaOnevisionImageProcessor /
+    Qwen2VLImageProcessor, the classes the released checkpoints name)."""
+    video = tiny_video_processor_config(model_type)
+    if model_type == "llava_onevision":
+        return LlavaOnevisionImageProcessorPil(size=video["size"], image_grid_pinpoints=[[16, 16], [16, 32], [32, 16]])
+    return Qwen2VLImageProcessorPil(size=video["size"], patch_size=2, temporal_patch_size=2, merge_size=2)
+
+
+def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int = 0) -> str:
+    """Save a tiny model with its tokenizer and processor configs into `folder`, loadable with from_pretrained
+    (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, AutoImageProcessor, and AutoProcessor where
+    torchvision imports). Returns the folder.
+
+    Written: the model (config.json, weights), the tokenizer, preprocessor_config.json (image processor),
+    video_preprocessor_config.json and processor_config.json. The last two are written as JSON because
+    transformers' video processors (and the processors holding one) cannot be built without torchvision.
+    """
+    folder = os.fspath(folder)
+    build = {"llava_onevision": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl}
+    if model_type not in build:
+        raise ValueError(f"model_type: expected one of {sorted(build)}, got {model_type!r}")
+    build[model_type](seed=seed).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    tiny_image_processor(model_type).save_pretrained(folder)
+    if model_type == "llava_onevision":
+        processor = {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 64,
+                     "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}
+    else:
+        processor = {"processor_class": "Qwen2_5_VLProcessor"}
+    for name, content in (("video_preprocessor_config.json", tiny_video_processor_config(model_type)),
+                          ("processor_config.json", processor)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+    return folder

@@ -2,8 +2,9 @@
 
 A family turns a chunk of video into language-model input embeddings plus the positions of those tokens
 relative to where the chunk starts, names the language model and its rotary module, wraps questions in the
-model's chat format and picks the HERMES preset. `family_of(model)` finds the family from
-`model.config.model_type`.
+model's chat format and picks the HERMES preset; it also turns decoded frames into that chunk's inputs through
+the checkpoint's processor (`prepare_frames`, `hermes.models.processing`). `family_of(model)` finds the
+family from `model.config.model_type`, `family_of_type` from the string.
 """
 from __future__ import annotations
 
@@ -52,6 +53,20 @@ class ModelFamily:
         """Validate and encode one chunk (frames through `processor`, or model-ready pixel values)."""
         raise NotImplementedError
 
+    def pil_video_processor(self, image_processor, config: dict):
+        """The torchvision-free twin of the family's video processor (`hermes.models.processing`) over the
+        checkpoint's PIL image processor, with the video processor's settings `config`."""
+        raise NotImplementedError
+
+    def prepare_frames(self, processor, frames, fps: float) -> dict:
+        """`append_video` keyword arguments for one clip: frames uint8 [F, H, W, 3] RGB sampled at `fps`
+        frames per second, through `processor.video_processor` (the real one or the twin)."""
+        raise NotImplementedError
+
+    def frame_size(self, model: torch.nn.Module, inputs: dict) -> tuple[int, int] | None:
+        """(height, width) of the processed frames in `inputs` where the token count depends on it, else None."""
+        return None
+
     def prefix_text(self, system_prompt: str | None) -> str:
         """Chat-format text in front of the video (the never-evicted prefix)."""
         raise NotImplementedError
@@ -67,14 +82,20 @@ class ModelFamily:
 
 def family_of(model: torch.nn.Module) -> ModelFamily:
     """The family of a loaded model; ValueError for a model type that is not supported."""
+    return family_of_type(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def family_of_type(model_type: str | None) -> ModelFamily:
+    """The family of a `config.model_type` string; ValueError for a model type that is not supported."""
     from .llava_ov import LlavaOneVision  # the family modules import ModelFamily from here
     from .qwen2_5_vl import Qwen2_5_VL
 
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for family in (LlavaOneVision(), Qwen2_5_VL()):
+    families = (LlavaOneVision(), Qwen2_5_VL())
+    for family in families:
         if model_type in family.model_types:
             return family
-    raise ValueError(f"model: model type {model_type!r} is not supported; supported: llava_onevision, qwen2_5_vl")
+    supported = ", ".join(t for family in families for t in family.model_types)
+    raise ValueError(f"model: model type {model_type!r} is not supported; supported: {supported}")
 
 
 def check_pixels(name: str, video, expected: str) -> torch.Tensor:
@@ -87,4 +108,4 @@ def check_pixels(name: str, video, expected: str) -> torch.Tensor:
     return video
 
 
-__all__ = ["ModelFamily", "VideoChunk", "family_of", "check_pixels"]
+__all__ = ["ModelFamily", "VideoChunk", "family_of", "family_of_type", "check_pixels"]

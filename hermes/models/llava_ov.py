@@ -4,16 +4,36 @@ A frame goes through the vision tower, the projector and 2x2 bilinear pooling: c
 for an h x w patch grid (196 for the 7B model's 384 px / 14 px patches). `get_video_features` appends one
 `image_newline` token after the whole video; a stream has no end, so the chunks carry no newline token.
 Positions are 1D and run on from each layer's last position (§2.7).
+
+Video frames are resized straight to the vision tower's square (`size`, 384 x 384 for the released models)
+without anyres tiling, then rescaled and normalised: what transformers' `LlavaOnevisionVideoProcessor` does,
+and what `LlavaOneVisionPilVideoProcessor` does without torchvision.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
 from hermes.config import HermesConfig
 
 from . import ModelFamily, VideoChunk, check_pixels
+from .processing import PilVideoProcessor
+
+
+class LlavaOneVisionPilVideoProcessor(PilVideoProcessor):
+    """Torchvision-free twin of transformers' `LlavaOnevisionVideoProcessor`: every frame resized to `size`
+    (height x width, aspect ratio not kept), rescaled, normalised. Returns pixel_values_videos float32
+    [clips, F, C, height, width]."""
+
+    defaults = dict(size={"height": 384, "width": 384}, resample=PILImageResampling.BICUBIC, rescale_factor=1 / 255,
+                    image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD, do_resize=True, do_rescale=True,
+                    do_normalize=True, do_convert_rgb=True, do_center_crop=None)
+    model_input_names = ("pixel_values_videos",)
+
+    def layout(self, frames):
+        return {"pixel_values_videos": frames[None]}
 
 
 class LlavaOneVision(ModelFamily):
@@ -57,6 +77,14 @@ class LlavaOneVision(ModelFamily):
         lm = self.language_model(model)
         embeds = features[:, :-1].to(device=lm.embed_tokens.weight.device, dtype=lm.embed_tokens.weight.dtype)
         return VideoChunk(embeds=embeds, rel_positions=None)
+
+    def pil_video_processor(self, image_processor, config):
+        return LlavaOneVisionPilVideoProcessor(image_processor, config)
+
+    def prepare_frames(self, processor, frames, fps):
+        """{"video": pixel values [1, F, C, S, S]} from frames uint8 [F, H, W, 3] (fps plays no part)."""
+        out = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+        return {"video": out["pixel_values_videos"]}
 
     def prefix_text(self, system_prompt):
         prompt = self.system_prompt if system_prompt is None else system_prompt

@@ -8,14 +8,73 @@ t = floor(grid index * tokens_per_second * seconds_per_grid), h = merged row, w 
 tokens use i on all three axes; every chunk and every text segment starts at the layer's largest position
 + 1 over all axes. Forwards of the full model always get `position_ids` and `mm_token_type_ids`, so the
 model never falls back to 1D positions.
+
+Video frames go through transformers' `Qwen2VLVideoProcessor` (which Qwen2.5-VL uses), or without torchvision
+through `Qwen2_5_VLPilVideoProcessor`, which returns the same layout (`patchify`).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
 from hermes.config import HermesConfig
 
 from . import ModelFamily, VideoChunk, check_pixels
+from .processing import PilVideoProcessor
+
+
+def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) \
+        -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Flattened patches [t * h * w, C * T * p * p] and the grid (t, h, w) of one clip, laid out as
+    transformers' `Qwen2VLVideoProcessor.patchify`.
+
+    frames: [F, C, H, W] with H, W multiples of patch_size * merge_size. F is padded to a multiple of T =
+    temporal_patch_size by repeating the last frame; t = F / T, h = H / p, w = W / p. Rows run t-major, then
+    over 2D merge windows (row of windows, column of windows, row in window, column in window), so each window's
+    merge_size^2 patches are adjacent; a row holds its patch's channels, each with T frames of p x p pixels.
+    """
+    count, channels, height, width = frames.shape
+    if pad := -count % temporal_patch_size:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    grid = ((count + pad) // temporal_patch_size, height // patch_size, width // patch_size)
+    t, h, w = grid
+    patches = frames.reshape(t, temporal_patch_size, channels, h // merge_size, merge_size, patch_size,
+                             w // merge_size, merge_size, patch_size)
+    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(t * h * w, channels * temporal_patch_size * patch_size ** 2), grid
+
+
+class Qwen2_5_VLPilVideoProcessor(PilVideoProcessor):
+    """Torchvision-free twin of transformers' `Qwen2VLVideoProcessor`: every frame resized by the image
+    processor's `smart_resize` (sides multiples of patch_size * merge_size, area within size's shortest_edge and
+    longest_edge pixels; no per-video pixel cap, i.e. cap_pixels_per_frame=False), rescaled, normalised and cut
+    by `patchify`. Returns pixel_values_videos float32 [t * h * w, C * T * p * p] and video_grid_thw int64
+    [clips, 3]."""
+
+    defaults = dict(size={"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+                    resample=PILImageResampling.BICUBIC, rescale_factor=1 / 255, image_mean=OPENAI_CLIP_MEAN,
+                    image_std=OPENAI_CLIP_STD, do_resize=True, do_rescale=True, do_normalize=True,
+                    do_convert_rgb=True, do_center_crop=None, patch_size=14, temporal_patch_size=2, merge_size=2,
+                    min_pixels=None, max_pixels=None)
+    model_input_names = ("pixel_values_videos", "video_grid_thw")
+    off_flags = ("do_sample_frames", "cap_pixels_per_frame")
+
+    @staticmethod
+    def standardize(settings):
+        # legacy min_pixels / max_pixels override size, as in Qwen2VLVideoProcessor.__init__
+        size = dict(settings["size"])
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if (value := settings.pop(key)) is not None:
+                size[edge] = value
+        return {**settings, "size": size}
+
+    def resize_kwargs(self):
+        return {"factor": self.patch_size * self.merge_size}
+
+    def layout(self, frames):
+        rows, grid = patchify(frames, self.patch_size, self.merge_size, self.temporal_patch_size)
+        return {"pixel_values_videos": rows, "video_grid_thw": np.array([grid], dtype=np.int64)}
 
 
 def video_rel_positions(grid_thw: tuple[int, int, int], spatial_merge_size: int, time_interval: float,
@@ -82,6 +141,23 @@ class Qwen2_5_VL(ModelFamily):
         interval = vision.tokens_per_second * seconds_per_grid
         rel = video_rel_positions(grid, vision.spatial_merge_size, interval, device=embeds.device)
         return VideoChunk(embeds=embeds, rel_positions=rel)
+
+    def pil_video_processor(self, image_processor, config):
+        return Qwen2_5_VLPilVideoProcessor(image_processor, config)
+
+    def prepare_frames(self, processor, frames, fps):
+        """{"video": patches, "grid_thw": [1, 3], "seconds_per_grid": T / fps} from frames uint8 [F, H, W, 3];
+        seconds_per_grid is what Qwen2_5_VLProcessor passes as second_per_grid_ts."""
+        video_processor = processor.video_processor
+        out = video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False,
+                              cap_pixels_per_frame=False)
+        return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
+                "seconds_per_grid": video_processor.temporal_patch_size / float(fps)}
+
+    def frame_size(self, model, inputs):
+        _, grid_h, grid_w = (int(x) for x in torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0])
+        patch = model.config.vision_config.patch_size
+        return grid_h * patch, grid_w * patch
 
     @staticmethod
     def _check_grid(grid_thw, batch_size: int, merge: int) -> tuple[int, int, int]:

@@ -1,0 +1,4 @@
+"""`python -m hermes`: see `hermes.cli`."""
+from hermes.cli import main
+
+raise SystemExit(main())
