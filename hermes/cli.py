@@ -341,6 +341,27 @@ def _print_record(record: dict, as_json: bool) -> None:
     sys.stdout.flush()
 
 
+def run_command(body: Callable[[], None], show_traceback: bool = False) -> int:
+    """Run a command's `body` under the commands' error contract and return the exit status: 0 when it returns;
+    an error a user can fix (ValueError, OSError, ImportError, out of memory) printed as one line `error: ...` on
+    stderr and 1; any other exception as one internal-error line and 1; 130 on Ctrl-C. With show_traceback the
+    exception propagates instead (--traceback)."""
+    try:
+        body()
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 (the command's contract: one line, no traceback)
+        if show_traceback:
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        if not isinstance(err, (ValueError, OSError, ImportError, torch.OutOfMemoryError)):
+            message = f"internal error ({type(err).__name__}: {message}); rerun with --traceback for details"
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, `run`, print; returns the exit status."""
     args = parser().parse_args(argv)
@@ -350,22 +371,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quiet:
         transformers_logging.disable_progress_bar()
     questions = args.question or (terminal_questions() if not args.ask_at else ())
-    try:
+
+    def body() -> None:
         if args.threads is not None:
             torch.set_num_threads(_positive_int("threads", args.threads))
         run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
             chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, device=args.device,
             dtype=args.dtype, max_new_tokens=args.max_new_tokens,
             on_record=lambda record: _print_record(record, args.json), progress=not args.quiet)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 (the command's contract: one line, no traceback)
-        if args.traceback:
-            raise
-        message = " ".join(str(err).split()) or type(err).__name__
-        if not isinstance(err, (ValueError, OSError, ImportError, torch.OutOfMemoryError)):
-            message = f"internal error ({type(err).__name__}: {message}); rerun with --traceback for details"
-        print(f"error: {message}", file=sys.stderr)
-        return 1
-    return 0
+
+    return run_command(body, args.traceback)

@@ -2,11 +2,13 @@
 
 Every (layer, KV head) is routed offline to one of three frame memories: INSTANT (FIFO, W_s frames), SHORT
 (FIFO, W_w frames) or EPISODIC (semantic trajectory curvature eviction, N_e frames). This package holds the
-policy's own parts: `config` (H2SVCConfig, presets, the default head map), `reference` (the per-head oracle)
-and `validation` (input checks of its ops). The engine parts both policies use (rope, generic validation,
+policy's own parts: `config` (H2SVCConfig, presets, the default head map), `reference` (the per-head oracle),
+`validation` (input checks of its ops), `profile` (the offline head profiler and `python -m hermes.h2svc.profile`;
+imported on its own, it needs transformers) and `head_map` (the map file: save, load, check against a model). The engine parts both policies use (rope, generic validation,
 the kernel dispatch) stay in `hermes` and `hermes_kernels`.
 """
 from .config import CLASS_NAMES, EPISODIC, INSTANT, SHORT, H2SVCConfig, class_counts, class_id, default_head_map
+from .head_map import HeadProfile, load_head_map, save_head_map
 
 __all__ = ["H2SVCConfig", "INSTANT", "SHORT", "EPISODIC", "CLASS_NAMES", "default_head_map", "class_counts",
-           "class_id"]
+           "class_id", "HeadProfile", "save_head_map", "load_head_map"]

@@ -63,6 +63,11 @@ class ModelFamily:
         frames per second, through `processor.video_processor` (the real one or the twin)."""
         raise NotImplementedError
 
+    def memory_frames(self, inputs: dict) -> int:
+        """H2SVC frames (the unit of memory, H2SVC.md §1) in one chunk's `prepare_frames` output: LLaVA-OV one per
+        video frame; Qwen2.5-VL one per temporal grid step (temporal_patch_size video frames)."""
+        raise NotImplementedError
+
     def frame_size(self, model: torch.nn.Module, inputs: dict) -> tuple[int, int] | None:
         """(height, width) of the processed frames in `inputs` where the token count depends on it, else None."""
         return None

@@ -86,6 +86,9 @@ class LlavaOneVision(ModelFamily):
         out = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
         return {"video": out["pixel_values_videos"]}
 
+    def memory_frames(self, inputs):
+        return int(inputs["video"].shape[-4])  # pixel values [1, F, C, S, S] or [F, C, S, S]
+
     def prefix_text(self, system_prompt):
         prompt = self.system_prompt if system_prompt is None else system_prompt
         return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n"

@@ -154,6 +154,9 @@ class Qwen2_5_VL(ModelFamily):
         return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
                 "seconds_per_grid": video_processor.temporal_patch_size / float(fps)}
 
+    def memory_frames(self, inputs):
+        return int(torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0, 0])  # grid_t
+
     def frame_size(self, model, inputs):
         _, grid_h, grid_w = (int(x) for x in torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0])
         patch = model.config.vision_config.patch_size
