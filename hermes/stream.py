@@ -48,15 +48,15 @@ from hermes.reference import CompressResult
 
 
 class StreamCache(Protocol):
-    """What the front needs from a policy's cache (`HermesCache` is one)."""
+    """What the front needs from a policy's cache (`HermesCache` is one): a transformers `Cache` that takes
+    forwards described by `forward_context`, undoes failed calls (`atomic`) and reports `stats`."""
 
     length: int
     capacity: int
-    batch_size: int
     mrope: bool
     undefined: bool
 
-    def forward_context(self, rel_positions=None, *, read_only: bool = False, keep: int | None = None,
+    def forward_context(self, rel_positions=None, *, read_only: bool = False,
                         left_padding: torch.Tensor | None = None): ...
 
     def default_position_ids(self, count: int, start: int | None = None) -> torch.Tensor: ...

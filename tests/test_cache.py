@@ -193,11 +193,15 @@ def test_compress_rejects_bad_attention_without_writing():
     before = (cache._stacks[0].keys.clone(), cache._stacks[0].positions.clone(), cache.length)
     bad = distinct_attention(4, 2, cache.length - 3, g)
     bad[1, 0, 2] = float("nan")
-    for attn, match in ((bad, "non-finite"), (distinct_attention(4, 2, 5, g), "attn")):
+    good = distinct_attention(4, 2, cache.length - 3, g)
+    for attn, backend, match in ((bad, "auto", "non-finite"), (distinct_attention(4, 2, 5, g), "auto", "attn"),
+                                 (good, "cuda", "backend")):
         with pytest.raises(ValueError, match=match):
-            cache.compress(attn)
+            cache.compress(attn, backend=backend)
     assert torch.equal(cache._stacks[0].keys.nan_to_num(7.0), before[0].nan_to_num(7.0))
     assert torch.equal(cache._stacks[0].positions, before[1]) and cache.length == before[2]
+    assert not cache.undefined  # rejected input is not a failed step: the cache stays usable
+    cache.compress(good)
 
 
 def test_construction_errors():

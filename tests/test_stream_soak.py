@@ -1,5 +1,6 @@
-"""The soak (`python -m bench.soak`) in small: ~300 chunks per family with ragged questions every 50 chunks,
-memory flat and positions bounded; and the soak does fail when a chunk leaves something behind."""
+"""The soak (`python -m bench.soak`) in small: 300 chunks per family, one stream (ragged question batches have
+their own tests) with a question every 50 chunks, memory flat and positions bounded; and the soak does fail
+when a chunk leaves something behind."""
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from tests.stream_checks import single_thread  # noqa: F401 (autouse fixture)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_300_chunks_flat_memory_and_bounded_positions(family):
     lines = []
-    reports = soak(family, chunks=300, every=100, question_every=50, progress=False, out=lines.append)
+    reports = soak(family, chunks=300, every=100, question_every=50, batch=1, progress=False, out=lines.append)
     assert [r.chunk for r in reports] == [100, 200, 300] and len(lines) == 3
     assert len({r.tensor_bytes for r in reports}) == 1 and reports[-1].steps >= 290
     assert reports[-1].compactions >= 2 and all(r.positions[1] < 512 for r in reports)
