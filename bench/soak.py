@@ -33,7 +33,7 @@ from bench.tiny_models import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwe
 from hermes.stream import HermesStream
 
 FAMILIES = ("llava_ov", "qwen2_5_vl")
-QUESTIONS = ("what is the person holding ?", "where is the red cup ?")
+QUESTIONS = ("what is the person holding ?", "where is the red cup the man is holding ?")  # ragged
 
 
 class SoakFailure(AssertionError):
