@@ -9,9 +9,12 @@ hands it `attention_mask=None` and it applies causality itself. For every layer 
     the rotated keys are written back into the cache's slots;
 (b) during a guidance pass (`cache.guidance` set, see `hermes.guidance`) computes
     `hermes_kernels.pooled_attention` of the layer's guidance prompt over the cache and stores the visual
-    part in `cache.guidance_attn`, then stops the forward after the last layer that needs a score;
+    part in `cache.guidance_attn`. On its own the pass stops the forward after the last layer that needs a
+    score; fused into a chunk's prefill (DESIGN.md §4) the chunk's rows go through (c) exactly as in a plain
+    forward (their own call, their own mask) and the prompts' rows, which follow them, are computed apart;
 (c) otherwise calls the model's own attention: flash-attn when installed and running on CUDA half
-    precision, sdpa elsewhere, with a bottom-right causal mask when queries follow cached keys.
+    precision, sdpa elsewhere, with a bottom-right causal mask when queries follow cached keys and the
+    padding slots of a ragged question batch hidden (`HermesCache.hidden_keys`; sdpa then).
 
 Calls whose keys do not come from a `HermesCache` (no cache, a `DynamicCache`) go straight to (c).
 """
@@ -42,17 +45,34 @@ class GuidanceDone(Exception):
 class GuidanceState:
     """What the attention function needs during a guidance pass (set on `cache.guidance`).
 
-    segments:         (start, end) token ranges of the packed guidance prompts within the forward's tokens;
-                      each prompt attends to the cache and causally to itself, never to another prompt.
+    stored:           the forward's leading tokens that are a chunk being stored (guidance fused into its
+                      prefill); 0 for a guidance pass on its own. The prompt tokens follow them.
+    segments:         per stream, the (start, end) range of each prompt among the prompt tokens (the forward's
+                      tokens after the `stored` ones); each prompt attends to the cache, the stored chunk and,
+                      causally, itself, never to another prompt. Slots past a stream's last prompt are padding.
     segment_of_layer: per layer, the index of the prompt whose pooled attention it needs, or None.
-    last_layer:       the deepest layer that needs a score; the forward stops after it.
+    last_layer:       the deepest layer that needs a score: a pass on its own stops after it; fused, the prompt
+                      rows are not computed from there on.
     backend:          `hermes_kernels` backend of the pooled attention ("auto" | "triton" | "torch").
     """
 
-    segments: tuple[tuple[int, int], ...]
+    stored: int
+    segments: tuple[tuple[tuple[int, int], ...], ...]
     segment_of_layer: tuple[int | None, ...]
     last_layer: int
     backend: str = "auto"
+
+    def runs(self, segment: int) -> list[tuple[slice, int, int]]:
+        """(streams, start, end): runs of consecutive streams whose prompt `segment` has the same range, so that
+        each run's pooled attention is one call (one run when the streams' prompts tokenize alike)."""
+        runs: list[tuple[slice, int, int]] = []
+        for b, bounds in enumerate(self.segments):
+            lo, hi = bounds[segment]
+            if runs and runs[-1][1:] == (lo, hi):
+                runs[-1] = (slice(runs[-1][0].start, b + 1), lo, hi)
+            else:
+                runs.append((slice(b, b + 1), lo, hi))
+        return runs
 
 
 def hermes_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -70,10 +90,22 @@ def hermes_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     query = apply_rotary_delta(query, delta, inv_freq, cache.mrope_section)
     key[:, :, start:] = apply_rotary_delta(key[:, :, start:], delta, inv_freq, cache.mrope_section)
     if cache.guidance is not None:
-        return _guidance_attention(module, cache, layer, query, key, value, start, dropout, scaling, **kwargs)
+        return _guidance_attention(module, cache, layer, query, key, value, start, attention_mask, dropout,
+                                   scaling, **kwargs)
+    return _cached_attention(module, cache, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _cached_attention(module, cache: HermesCache, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """(c) for queries that are the last T of the keys: the causal mask, built once per forward, whenever the
+    chosen kernel cannot apply it itself, combined with the padding slots the cache hides."""
     count, total = query.shape[2], key.shape[2]
-    if attention_mask is None and not _flash_usable(query) and 1 < count < total:
-        attention_mask = cache.forward_mask("causal", query.device, lambda: _causal_mask(count, total, query.device))
+    hidden = cache.hidden_keys()
+    if attention_mask is None and hidden is not None:
+        attention_mask = cache.forward_mask(("padded", count, total), query.device,
+                                            lambda: _padded_mask(hidden, count, total, query.device))
+    elif attention_mask is None and not _flash_usable(query) and 1 < count < total:
+        attention_mask = cache.forward_mask(("causal", count, total), query.device,
+                                            lambda: _causal_mask(count, total, query.device))
     return _model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
@@ -102,45 +134,70 @@ def _causal_mask(count: int, total: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(total, device=device)[None, :] <= rows)[None, None]
 
 
-def _guidance_attention(module, cache: HermesCache, layer: int, query, key, value, start: int, dropout, scaling,
-                        **kwargs):
-    """(b): pooled attention of this layer's guidance prompt over the cache (§2.3), then the layer output
-    of all packed prompts (each sees the cache and, causally, only itself)."""
+def _padded_mask(hidden: tuple[int, torch.Tensor], count: int, total: int, device: torch.device) -> torch.Tensor:
+    """bool [b, 1, T, S]: bottom-right causal, and stream b never sees its padding slots [start, start + pads[b])."""
+    start, pads = hidden
+    slots = torch.arange(total, device=device)
+    visible = (slots[None, :] < start) | (slots[None, :] >= start + pads.to(device)[:, None])
+    return _causal_mask(count, total, device) & visible[:, None, None, :]
+
+
+def _guidance_attention(module, cache: HermesCache, layer: int, query, key, value, start: int, attention_mask,
+                        dropout, scaling, **kwargs):
+    """(b): pooled attention of this layer's guidance prompt over the cache (§2.3), and the layer output: the
+    stored chunk's rows exactly as a plain forward computes them, then the prompts' rows (each prompt sees the
+    cache, the chunk and, causally, only itself)."""
     state: GuidanceState = cache.guidance
-    segment = state.segment_of_layer[layer]
-    output = None
+    stored = state.stored
+    base = start + stored  # keys every prompt sees in full: the cache and the stored chunk
+    outputs = []
+    if stored:
+        # the chunk's own call over the keys it would see without prompts: bit-identical to the unfused prefill
+        outputs.append(_cached_attention(module, cache, query[:, :, :stored], key[:, :, :base], value[:, :, :base],
+                                         attention_mask, dropout, scaling, **kwargs)[0])
+    prompts = query[:, :, stored:]
     if layer < state.last_layer:
-        mask = cache.forward_mask("guidance", query.device,
-                                  lambda: _segment_mask(state.segments, start, query.device))
-        output = _model_attention(module, query, key, value, mask, dropout, scaling, **kwargs)[0]
+        mask = cache.forward_mask(("guidance", base), query.device,
+                                  lambda: _segment_mask(state.segments, base, prompts.shape[2], query.device))
+        outputs.append(_model_attention(module, prompts, key, value, mask, dropout, scaling, **kwargs)[0])
+    elif stored:
+        # no deeper layer reads the prompts: their rows only have to have the right shape
+        b, heads, count, dim = prompts.shape
+        outputs.append(prompts.new_zeros(b, count, heads, dim))
+    segment = state.segment_of_layer[layer]
     if segment is not None:
-        lo, hi = state.segments[segment]
-        if lo > 0:
-            # the pooled-attention kernel wants the prompt's own keys right after the cache: move this
-            # prompt's keys in front of the earlier prompts (scratch slots past the length only)
-            own = key[:, :, start + lo:start + hi].clone()
-            key[:, :, start + hi - lo:start + hi] = key[:, :, start:start + lo].clone()
-            key[:, :, start:start + hi - lo] = own
-        pooled = hk.pooled_attention(query[:, :, lo:hi], key[:, :, :start + hi - lo], scale=scaling,
-                                     backend=state.backend)
         prefix = cache.cfg.prefix_len
-        rows = cache.forward_rows()
-        cache.guidance_attn[layer, rows, :start - prefix] = pooled[:, prefix:start].to(cache.guidance_attn.device)
-    if layer == state.last_layer:
+        for rows, lo, hi in state.runs(segment):
+            keys = key[rows]
+            if lo > 0:
+                # the pooled-attention kernel wants the prompt's own keys right after the ones it sees in full:
+                # move this prompt's keys in front of the earlier prompts (read-only slots past the stored ones)
+                own = keys[:, :, base + lo:base + hi].clone()
+                keys[:, :, base + hi - lo:base + hi] = keys[:, :, base:base + lo].clone()
+                keys[:, :, base:base + hi - lo] = own
+            pooled = hk.pooled_attention(prompts[rows, :, lo:hi], keys[:, :, :base + hi - lo], scale=scaling,
+                                         backend=state.backend)
+            cache.guidance_attn[layer, rows, :base - prefix] = pooled[:, prefix:base].to(cache.guidance_attn.device)
+    if layer == state.last_layer and not stored:
         raise GuidanceDone
-    return output, None
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
-def _segment_mask(segments, start: int, device: torch.device) -> torch.Tensor:
-    """bool [1, 1, Q, N + Q]: every prompt token sees the N cached keys and its own prompt causally."""
-    total = segments[-1][1]
-    seg_id = torch.empty(total, dtype=torch.int64, device=device)
-    for index, (lo, hi) in enumerate(segments):
-        seg_id[lo:hi] = index
-    pos = torch.arange(total, device=device)
-    own = (seg_id[:, None] == seg_id[None, :]) & (pos[None, :] <= pos[:, None])
-    cached = torch.ones(total, start, dtype=torch.bool, device=device)
-    return torch.cat([cached, own], dim=1)[None, None]
+def _segment_mask(segments, base: int, count: int, device: torch.device) -> torch.Tensor:
+    """bool [b or 1, 1, Q, base + Q] over Q prompt tokens after `base` keys: every prompt token sees the `base`
+    keys and its own prompt causally (padding tokens, which no prompt sees, form one more segment)."""
+    seg_id = torch.full((len(segments), count), -1, dtype=torch.int64)
+    for b, bounds in enumerate(segments):
+        for index, (lo, hi) in enumerate(bounds):
+            seg_id[b, lo:hi] = index
+    if all(bounds == segments[0] for bounds in segments):
+        seg_id = seg_id[:1]
+    seg_id = seg_id.to(device)
+    pos = torch.arange(count, device=device)
+    causal = pos[None, :] <= pos[:, None]
+    own = (seg_id[:, :, None] == seg_id[:, None, :]) & causal
+    seen = torch.ones(seg_id.shape[0], count, base, dtype=torch.bool, device=device)
+    return torch.cat([seen, own], dim=2)[:, None]
 
 
 def register() -> None:

@@ -16,8 +16,18 @@ positions `length + i`; the attention function (`hermes.attention`) rotates the 
 `incoming_delta(layer)` = true - default, which the cache computes once per forward.
 
 Modes of a forward (set with `forward_context`): store (the default, also what `model.generate` gets:
-tokens are appended and the length grows) and read-only (tokens are written to the free slots past the
-length so attention can read them, but the length does not move: guidance passes and scoring).
+tokens are appended and the length grows), read-only (tokens are written to the free slots past the
+length so attention can read them, but the length does not move: guidance passes and scoring) and partly
+stored (`keep`: the first tokens are appended, the rest read-only: a chunk carrying its guidance prompts,
+DESIGN.md §4). A question batch of uneven lengths is left-padded; `left_padding` hides the padding slots
+from every query (`hidden_keys`).
+
+Failures. Everything a forward writes goes to the free slots past the length, and the length moves only at
+the last layer, so `atomic()` undoes any failed call by restoring the length and the step counters. The one
+write below the length is the in-place compression (`compress`): it validates everything first (a bad input
+raises with the cache untouched); an exception escaping it after that (a device error, an out-of-memory, a
+KeyboardInterrupt in the middle of the moves) may leave the slots half rewritten. The cache then marks itself
+`undefined` and refuses every forward and step until `reset()`.
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import hermes_kernels as hk
 from hermes.config import HermesConfig
 from hermes.reference import CompressResult
+from hermes.validation import check_stacks
 
 _HANDOFF = threading.local()
 
@@ -67,12 +78,12 @@ class _Stack:
 
 @dataclasses.dataclass
 class _Forward:
-    """What one forward through the model writes: tokens [start, start + count) of the stream rows `rows`."""
+    """What one forward through the model writes: tokens [start, start + count) of every stream, of which the
+    first `stored` stay (the length moves to start + stored after the last layer)."""
 
     start: int
     count: int
-    rows: slice
-    read_only: bool
+    stored: int
     masks: dict = dataclasses.field(default_factory=dict)
 
 
@@ -197,6 +208,8 @@ class HermesCache(Cache):
         self._length = 0
         self._steps = 0
         self._compactions = 0
+        # set while an in-place compression may have written below the length; only reset() clears it
+        self._undefined = False
         self._context: dict | None = None
         self._forward: _Forward | None = None
         super().__init__(layers=[_LayerView(self, layer) for layer in range(cfg.num_layers)])
@@ -287,20 +300,32 @@ class HermesCache(Cache):
     # ---- writing ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self, rel_positions: torch.Tensor | None = None, *, read_only: bool = False,
-                        rows: slice | None = None) -> Iterator["HermesCache"]:
-        """Describe the next forward(s) through the model.
+                        keep: int | None = None,
+                        left_padding: torch.Tensor | None = None) -> Iterator["HermesCache"]:
+        """Describe the next forward(s) through the model: one forward, or `model.generate`'s prefill and
+        decode steps.
 
-        rel_positions: int64 [b, T] / [b, 3, T] (or without the batch dim) offsets of the incoming tokens from
-            each layer's next position (largest position + 1); None means text, 0, 1, ..., T-1 on every axis.
-        read_only:     attend over the cache plus the incoming tokens without keeping them (length unchanged).
-        rows:          a slice of the streams taking part (read-only forwards only); default all.
+        rel_positions: int64 [T] / [3, T], or one row per stream [B, T] / [B, 3, T]: offsets of the FIRST
+            forward's tokens from each layer's next position (largest position + 1); None means text,
+            0, 1, ..., T-1 on every axis. Later forwards (decode steps) are text after the largest position.
+        read_only:     attend over the cache plus the incoming tokens without keeping any (length unchanged).
+        keep:          keep only the first `keep` incoming tokens of each forward (a chunk carrying read-only
+                       guidance prompts, DESIGN.md §4); default all.
+        left_padding:  int64 [B]: padding tokens at the start of the FIRST forward, per stream (a question batch
+                       of uneven lengths); those slots stay hidden from every query in the context.
         """
-        rows = slice(None) if rows is None else rows
-        if rows != slice(None) and not read_only:
-            raise ValueError("rows: a subset of streams may only run read-only forwards (lockstep lengths)")
+        if read_only and keep is not None:
+            raise ValueError("keep: a read-only forward keeps nothing; pass read_only or keep, not both")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
+            raise ValueError(f"keep: expected a non-negative int, got {keep!r}")
+        if left_padding is not None and (not isinstance(left_padding, torch.Tensor) or left_padding.dtype !=
+                                         torch.int64 or tuple(left_padding.shape) != (self._batch_size,)):
+            raise ValueError(f"left_padding: expected int64 [B={self._batch_size}], got "
+                             f"{getattr(left_padding, 'shape', type(left_padding).__name__)}")
         if self._context is not None:
             raise RuntimeError("HermesCache.forward_context: contexts do not nest")
-        self._context = {"rel_positions": rel_positions, "read_only": read_only, "rows": rows}
+        self._context = {"rel_positions": rel_positions, "keep": 0 if read_only else keep,
+                         "left_padding": left_padding, "hidden": None}
         try:
             yield self
         finally:
@@ -310,19 +335,27 @@ class HermesCache(Cache):
                 stack.delta = None
 
     def _begin_forward(self, key_states: torch.Tensor) -> _Forward:
-        context = self._context or {"rel_positions": None, "read_only": False, "rows": slice(None)}
-        rows = context["rows"]
-        rows_count = len(range(*rows.indices(self._batch_size)))
+        if self._undefined:
+            raise RuntimeError("HermesCache: a failed compression step left the cache undefined; call reset()")
+        context = self._context or {"rel_positions": None, "keep": None, "left_padding": None, "hidden": None}
         count = key_states.shape[-2]
-        expected = (rows_count, self.num_kv_heads, count, self.head_dim)
+        expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
         if tuple(key_states.shape) != expected:
-            raise ValueError(f"key_states: expected [b={rows_count}, Hkv={self.num_kv_heads}, T, D={self.head_dim}] "
-                             f"for this cache, got {tuple(key_states.shape)}")
+            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={self.num_kv_heads}, T, "
+                             f"D={self.head_dim}] for this cache, got {tuple(key_states.shape)}")
         if self._length + count > self.capacity:
             raise ValueError(f"key_states: {count} incoming tokens do not fit: length {self._length} of capacity "
                              f"{self.capacity}")
-        forward = _Forward(start=self._length, count=count, rows=rows, read_only=context["read_only"])
-        rel = context["rel_positions"]
+        # the first forward of a context takes its offsets and padding; later ones are text after it
+        rel, pads = context["rel_positions"], context["left_padding"]
+        context["rel_positions"] = context["left_padding"] = None
+        if pads is not None:
+            if int(pads.max()) >= count or int(pads.min()) < 0:
+                raise ValueError(f"left_padding: expected counts in [0, T={count}) (every stream keeps a token), "
+                                 f"got {pads.tolist()}")
+            context["hidden"] = (self._length, pads.to(self._stacks[0].device))
+        keep = context["keep"]
+        forward = _Forward(start=self._length, count=count, stored=count if keep is None else min(keep, count))
         for stack in self._stacks:
             stack.delta = self._write_positions(stack, forward, rel)
         return forward
@@ -334,7 +367,7 @@ class HermesCache(Cache):
         if rel is None:
             rel = text.expand(3, fwd.count) if self.mrope else text
         rel = rel.to(device)
-        positions = stack.positions[:, fwd.rows]
+        positions = stack.positions
         if fwd.start == 0:
             next_pos = torch.zeros(positions.shape[:2], dtype=torch.int64, device=device)
         else:
@@ -347,8 +380,8 @@ class HermesCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the incoming keys/values [b, Hkv, T, D] of layer `layer_idx` in place; return views
-        [b, Hkv, N + T, D] of the cache plus the new tokens (what the attention function attends over)."""
+        """Write the incoming keys/values [B, Hkv, T, D] of layer `layer_idx` in place; return views
+        [B, Hkv, N + T, D] of the cache plus the new tokens (what the attention function attends over)."""
         if layer_idx == 0:
             self._forward = self._begin_forward(key_states)
         fwd = self._forward
@@ -357,13 +390,13 @@ class HermesCache(Cache):
                                f"layer 0 with the same token count")
         stack, local = self._stack_of_layer[layer_idx]
         end = fwd.start + fwd.count
-        stack.keys[local, fwd.rows, :, fwd.start:end] = key_states
-        stack.values[local, fwd.rows, :, fwd.start:end] = value_states
-        keys = stack.keys[local, fwd.rows, :, :end]
-        values = stack.values[local, fwd.rows, :, :end]
+        stack.keys[local, :, :, fwd.start:end] = key_states
+        stack.values[local, :, :, fwd.start:end] = value_states
+        keys = stack.keys[local, :, :, :end]
+        values = stack.values[local, :, :, :end]
         _HANDOFF.last = (weakref.ref(self), layer_idx, keys)
-        if layer_idx == self.cfg.num_layers - 1 and not fwd.read_only:
-            self._length = end
+        if layer_idx == self.cfg.num_layers - 1:
+            self._length = fwd.start + fwd.stored
         return keys, values
 
     def incoming_delta(self, layer: int) -> torch.Tensor:
@@ -377,9 +410,14 @@ class HermesCache(Cache):
         """The model's rotary inverse frequencies [D/2] on `layer`'s device (§2.8)."""
         return self._stack_of_layer[layer][0].inv_freq
 
-    def forward_rows(self) -> slice:
-        """Streams taking part in the running forward."""
-        return self._forward.rows
+    def stored_count(self) -> int:
+        """Tokens of the running forward that stay in the cache (its first ones); the rest are read-only."""
+        return self._forward.stored
+
+    def hidden_keys(self) -> tuple[int, torch.Tensor] | None:
+        """Padding slots of the running context hidden from every query: (start, counts int64 [B]), stream b
+        hiding slots [start, start + counts[b]); None when nothing is hidden."""
+        return None if self._context is None else self._context["hidden"]
 
     def forward_mask(self, key: str, device: torch.device, build) -> torch.Tensor:
         """A mask memoised for the running forward (`build()` is called once per key and device)."""
@@ -399,10 +437,35 @@ class HermesCache(Cache):
         self.truncate(self._length + max_length if max_length < 0 else min(max_length, self._length))
 
     def reset(self) -> None:
-        """Empty the cache (length 0, step counters 0); the buffers stay allocated."""
+        """Empty the cache (length 0, step counters 0, `undefined` cleared); the buffers stay allocated."""
         self._length = 0
         self._steps = 0
         self._compactions = 0
+        self._undefined = False
+
+    @property
+    def undefined(self) -> bool:
+        """True after an exception escaped an in-place compression that had begun writing: the slots may be half
+        rewritten, so every forward and step raises until `reset()`."""
+        return self._undefined
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator["HermesCache"]:
+        """All or nothing: if the block raises (any BaseException, KeyboardInterrupt included) the cache is put
+        back as it was at entry. Forwards write only past the length and move it at their last layer, so the
+        length and step counters are the whole state to restore: the valid slots were never touched.
+
+        Not undone: a compression step that completed inside the block (its in-place moves cannot be reversed;
+        the cache then holds the compressed state and the exception propagates) or one that failed while
+        writing (`undefined`).
+        """
+        saved = (self._length, self._steps, self._compactions)
+        try:
+            yield self
+        except BaseException:
+            if not self._undefined and self._steps == saved[1]:
+                self._length, self._steps, self._compactions = saved
+            raise
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("HermesCache: streams are fixed in lockstep; beam search is not supported")
@@ -419,19 +482,31 @@ class HermesCache(Cache):
         DESIGN.md §2; one stack takes the same fused path as `compress_step`).
 
         attn: float32 [L, B, V], V = length - prefix_len, pooled guidance attention (e.g. `guidance_attn`), on any
-        device. Afterwards the length is prefix_len + min(budget, V) in every layer. Inputs are validated before
-        anything is written; a failed call leaves every stack unchanged.
+        device. Afterwards the length is prefix_len + min(budget, V) in every layer.
+
+        Failures: bad input (shape, dtype, backend, non-finite attn) raises ValueError/TypeError before anything is
+        written; every stack is unchanged. Inputs are checked here first (`compress_stacks` checks them again) so
+        that anything raised past that point is known to come from the step itself: a device error or an
+        interrupt while rows are being moved may leave some layers compacted and others not. The cache is then
+        `undefined` and refuses forwards and steps until `reset()`: the video memory is lost, start again.
         """
+        if self._undefined:
+            raise RuntimeError("HermesCache: a failed compression step left the cache undefined; call reset()")
         if self._length <= self.cfg.prefix_len:
             raise ValueError(f"attn: the cache holds no visual token (length {self._length}, prefix_len "
                              f"{self.cfg.prefix_len})")
+        if backend not in hk.BACKENDS:
+            raise ValueError(f"backend: expected one of {hk.BACKENDS}, got {backend!r}")
         n = self._length
         stacks = [(range(s.first, s.first + s.keys.shape[0]), s.keys[:, :, :, :n], s.values[:, :, :, :n],
                    s.positions[..., :n], s.inv_freq) for s in self._stacks]
+        check_stacks(stacks, attn, self.cfg, self.mrope_section)
+        self._undefined = True  # until the bookkeeping below is done, a failure may leave half-moved rows
         result = hk.compress_stacks(stacks, attn, self.cfg, self.mrope_section, backend=backend)
         self._length = result.length
         self._steps += 1
         self._compactions += int(result.compacted)
+        self._undefined = False
         return result
 
     def stats(self) -> dict:

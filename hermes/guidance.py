@@ -6,9 +6,16 @@ its attention score (S = R), so by default no prompt is run for it: with the pre
 never computed, and the first mid layer of LLaVA-OV (ω = 1.0) is skipped as well.
 
 The prompts that are needed run as ONE forward over the language model: their token ids are packed one
-after the other and the attention function (`hermes.attention`) keeps them apart (each sees the cache and,
-causally, itself). The pass is read-only (nothing stays in the cache), gives every prompt the positions
-right after each layer's last position, and stops after the deepest layer that needs a score.
+after the other (per stream; streams whose prompts tokenize to different lengths are padded at the end) and
+the attention function (`hermes.attention`) keeps them apart (each sees the cache and, causally, itself).
+Nothing of them stays in the cache; every prompt gets the positions right after each layer's last position.
+
+Two ways to run it (DESIGN.md §4):
+- fused (`chunk=`): the prompts ride behind a chunk's own prefill, in the same forward. The chunk's tokens
+  are stored and computed exactly as in a plain prefill; the prompts see the cache and the whole chunk. One
+  forward per chunk; no LM head runs (the decoder stack is called, never the full model).
+- on its own: a read-only forward over the cache as it is, stopped after the deepest layer that needs a
+  score (`HermesStream.guidance_scores`, and the stream's `fused_guidance=False`).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import torch
 from hermes.attention import GuidanceDone, GuidanceState
 from hermes.cache import HermesCache
 from hermes.config import DEEP, MID, SHALLOW, HermesConfig
+from hermes.models import VideoChunk
 
 LOCAL = ("Describe the current scene in detail, focusing on specific objects, fine-grained actions, "
          "and spatial relationships.")
@@ -78,56 +86,75 @@ def guidance_length(ids: list[list[list[int]]]) -> int:
 
 
 def run_guidance(language_model: torch.nn.Module, cache: HermesCache, plan: GuidancePlan,
-                 ids: list[list[list[int]]], backend: str = "auto") -> torch.Tensor:
-    """Pooled guidance attention float32 [L, B, V] (V = length - prefix_len; zeros for layers without a
-    prompt), written to and returned as a view of `cache.guidance_attn`. Read-only: the cache is unchanged.
+                 ids: list[list[list[int]]], backend: str = "auto", chunk: VideoChunk | None = None) -> torch.Tensor:
+    """Pooled guidance attention float32 [L, B, V] (V = visual tokens after the pass; zeros for layers without
+    a prompt), written to and returned as a view of `cache.guidance_attn`.
 
-    ids: per stream, the token ids of each prompt in `plan.kinds` (`GuidancePlan.token_ids`). Streams whose
-    prompts tokenize to the same lengths share one forward; otherwise each stream runs its own.
+    ids:     per stream, the token ids of each prompt in `plan.kinds` (`GuidancePlan.token_ids`).
     backend: of `hermes_kernels.pooled_attention`.
+    chunk:   a chunk to prefill in the same forward (fused, DESIGN.md §4): its tokens are stored, exactly as a
+             plain prefill stores them, and the prompts see them; V then counts them. Needs `plan.kinds`.
+             Without it the pass is read-only: the cache is unchanged.
     """
-    visual = cache.length - cache.cfg.prefix_len
+    stored = 0 if chunk is None else chunk.embeds.shape[1]
+    visual = cache.length + stored - cache.cfg.prefix_len
     if visual < 1:
         raise ValueError(f"cache: no visual token to score (length {cache.length}, prefix_len "
                          f"{cache.cfg.prefix_len})")
-    if len(ids) != cache.batch_size:
-        raise ValueError(f"ids: expected prompt ids for {cache.batch_size} streams, got {len(ids)}")
+    if len(ids) != cache.batch_size or any(len(stream) != len(plan.kinds) for stream in ids):
+        raise ValueError(f"ids: expected {len(plan.kinds)} prompts for each of {cache.batch_size} streams")
+    if chunk is not None and not plan.kinds:
+        raise ValueError("chunk: a fused prefill needs at least one guidance prompt (plan.kinds is empty)")
     attn = cache.guidance_attn[:, :, :visual]
     attn.zero_()
-    if not plan.kinds:
-        return attn
-    lengths = [[len(p) for p in stream] for stream in ids]
-    if all(length == lengths[0] for length in lengths):
-        groups = [slice(0, cache.batch_size)]
-    else:
-        groups = [slice(b, b + 1) for b in range(cache.batch_size)]
-    for rows in groups:
-        _guidance_forward(language_model, cache, plan, ids[rows], rows, backend)
+    if plan.kinds:
+        _guidance_forward(language_model, cache, plan, ids, backend, chunk)
     return attn
 
 
-def _guidance_forward(language_model, cache: HermesCache, plan: GuidancePlan, ids, rows: slice,
-                      backend: str) -> None:
-    """One packed read-only forward for the streams `rows` (all with the same prompt lengths)."""
+def _guidance_forward(language_model, cache: HermesCache, plan: GuidancePlan, ids, backend: str,
+                      chunk: VideoChunk | None) -> None:
+    """One forward: [the chunk's T tokens, stored] + each stream's packed prompts, padded to the longest."""
     device = cache.guidance_attn.device
-    bounds, start = [], 0
-    for prompt in ids[0]:
-        bounds.append((start, start + len(prompt)))
-        start += len(prompt)
-    input_ids = torch.tensor([[token for prompt in stream for token in prompt] for stream in ids], device=device)
-    rel = torch.cat([torch.arange(hi - lo, device=device) for lo, hi in bounds])
-    if cache.mrope:
-        rel = rel.expand(3, -1)
+    segments = []
+    for stream in ids:
+        bounds, start = [], 0
+        for prompt in stream:
+            bounds.append((start, start + len(prompt)))
+            start += len(prompt)
+        segments.append(tuple(bounds))
+    count = max(bounds[-1][1] for bounds in segments)
+    # padding: token 0 at the prompts' first position; no prompt attends to it
+    tokens = [[token for prompt in stream for token in prompt] for stream in ids]
+    input_ids = torch.tensor([row + [0] * (count - len(row)) for row in tokens], device=device)
+    rel = torch.zeros(len(ids), count, dtype=torch.int64)
+    for b, bounds in enumerate(segments):
+        for lo, hi in bounds:
+            rel[b, lo:hi] = torch.arange(hi - lo)
+    rel = rel.to(device)
     segment_of = {kind: index for index, kind in enumerate(plan.kinds)}
     segment_of_layer = tuple(None if kind is None else segment_of[kind] for kind in plan.kind_of_layer)
     last_layer = max(layer for layer, seg in enumerate(segment_of_layer) if seg is not None)
-    position_ids = cache.default_position_ids(input_ids.shape[1])
-    position_ids = position_ids[:, rows] if cache.mrope else position_ids[rows]
-    cache.guidance = GuidanceState(segments=tuple(bounds), segment_of_layer=segment_of_layer, last_layer=last_layer,
-                                   backend=backend)
+    stored = 0 if chunk is None else chunk.embeds.shape[1]
+    inputs = {"input_ids": input_ids}
+    if chunk is not None:
+        chunk_rel = chunk.rel_positions
+        chunk_rel = torch.arange(stored, device=device) if chunk_rel is None else chunk_rel.to(device)
+        # the prompts start right after the chunk's largest offset, where a pass after its prefill puts them
+        rel = rel + (chunk_rel.max() + 1)
+        inputs = {"inputs_embeds": torch.cat([chunk.embeds, language_model.embed_tokens(input_ids)], dim=1)}
+    if cache.mrope:
+        rel = rel.unsqueeze(1).expand(-1, 3, -1)
+    if chunk is not None:
+        chunk_rel = chunk_rel.expand(3, -1) if cache.mrope and chunk_rel.dim() == 1 else chunk_rel
+        rel = torch.cat([chunk_rel.expand(len(ids), *chunk_rel.shape), rel], dim=-1)
+    cache.guidance = GuidanceState(stored=stored, segments=tuple(segments), segment_of_layer=segment_of_layer,
+                                   last_layer=last_layer, backend=backend)
+    context = cache.forward_context(rel, keep=stored) if stored else cache.forward_context(rel, read_only=True)
     try:
-        with cache.forward_context(rel, read_only=True, rows=rows):
-            language_model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        with context:
+            language_model(**inputs, position_ids=cache.default_position_ids(stored + count), cache=cache,
+                           use_cache=True)
     except GuidanceDone:
         pass
     finally:

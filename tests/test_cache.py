@@ -37,12 +37,11 @@ def make_cache(L=4, B=2, Hkv=2, D=16, P=3, budget=10, capacity=40, dtype=torch.f
     return cache
 
 
-def feed(cache, count, g, rel=None, read_only=False, rows=None):
+def feed(cache, count, g, rel=None, read_only=False, keep=None):
     """One forward's worth of updates; returns the incoming keys/values per layer and the returned views."""
-    b = cache.batch_size if rows is None else len(range(*rows.indices(cache.batch_size)))
-    shape = (b, cache.num_kv_heads, count, cache.head_dim)
+    shape = (cache.batch_size, cache.num_kv_heads, count, cache.head_dim)
     sent, views = [], []
-    with cache.forward_context(rel, read_only=read_only, rows=rows):
+    with cache.forward_context(rel, read_only=read_only, keep=keep):
         for layer in range(cache.num_layers):
             k = torch.randn(shape, generator=g).to(cache.dtype)
             v = torch.randn(shape, generator=g).to(cache.dtype)
@@ -109,10 +108,17 @@ def test_read_only_forward_leaves_the_length():
         assert views[layer][0].shape[2] == 12
         assert torch.equal(views[layer][0][:, :, 8:], sent[layer][0])
         assert torch.equal(cache.layer_keys(layer), kept[layer])
-    sent, views = feed(cache, 4, g, read_only=True, rows=slice(1, 2))
-    assert views[0][0].shape == (1, 2, 12, 16) and torch.equal(views[0][0][:, :, 8:], sent[0][0])
-    with pytest.raises(ValueError, match="rows"):
-        feed(cache, 4, g, rows=slice(1, 2))
+    # keep: the first tokens stay, the rest are read-only scratch past the new length
+    sent, views = feed(cache, 5, g, keep=2)
+    assert cache.length == 10
+    for layer in range(4):
+        assert views[layer][0].shape[2] == 13
+        assert torch.equal(cache.layer_keys(layer)[:, :, 8:], sent[layer][0][:, :, :2])
+        assert torch.equal(cache.layer_keys(layer)[:, :, :8], kept[layer])
+    with pytest.raises(ValueError, match="keep"):
+        feed(cache, 4, g, read_only=True, keep=1)
+    with pytest.raises(ValueError, match="keep"):
+        feed(cache, 4, g, keep=-1)
 
 
 def test_overflow_and_bad_shapes_raise_before_writing():
@@ -187,11 +193,15 @@ def test_compress_rejects_bad_attention_without_writing():
     before = (cache._stacks[0].keys.clone(), cache._stacks[0].positions.clone(), cache.length)
     bad = distinct_attention(4, 2, cache.length - 3, g)
     bad[1, 0, 2] = float("nan")
-    for attn, match in ((bad, "non-finite"), (distinct_attention(4, 2, 5, g), "attn")):
+    good = distinct_attention(4, 2, cache.length - 3, g)
+    for attn, backend, match in ((bad, "auto", "non-finite"), (distinct_attention(4, 2, 5, g), "auto", "attn"),
+                                 (good, "cuda", "backend")):
         with pytest.raises(ValueError, match=match):
-            cache.compress(attn)
+            cache.compress(attn, backend=backend)
     assert torch.equal(cache._stacks[0].keys.nan_to_num(7.0), before[0].nan_to_num(7.0))
     assert torch.equal(cache._stacks[0].positions, before[1]) and cache.length == before[2]
+    assert not cache.undefined  # rejected input is not a failed step: the cache stays usable
+    cache.compress(good)
 
 
 def test_construction_errors():

@@ -7,36 +7,12 @@ from bench.tiny_models import llava_pixels, tiny_llava_ov
 from hermes.models import family_of
 from hermes.models.llava_ov import LlavaOneVision
 from tests.stream_checks import *  # noqa: F401,F403 (the shared checks are collected here)
-from tests.stream_checks import Case
-
-FRAMES = 2
-
-
-def _chunk(batch, g):
-    return {"video": llava_pixels(batch, FRAMES, g)}
-
-
-def _encode(model, chunk):
-    features = model.model.get_video_features(chunk["video"], vision_feature_layer=-1,
-                                              vision_feature_select_strategy="full").pooler_output
-    return features[:, :-1], None
-
-
-def _bad_chunks(batch, g):
-    return {
-        "wrong frame size": {"video": torch.randn(batch, FRAMES, 3, 8, 8, generator=g)},
-        "wrong channels": {"video": torch.randn(batch, FRAMES, 1, 16, 16, generator=g)},
-        "wrong batch": {"video": llava_pixels(batch + 1, FRAMES, g)},
-        "integer pixels": {"video": torch.zeros(batch, FRAMES, 3, 16, 16, dtype=torch.uint8)},
-        "non-finite": {"video": llava_pixels(batch, FRAMES, g).index_fill_(1, torch.tensor([0]), float("nan"))},
-        "unknown argument": {"video": llava_pixels(batch, FRAMES, g), "grid_thw": torch.tensor([1, 8, 8])},
-    }
+from tests.stream_checks import CASES
 
 
 @pytest.fixture
 def case():
-    return Case(name="llava_ov", build=tiny_llava_ov, frames=FRAMES, chunk=_chunk, encode=_encode, stream_kwargs={},
-                bad_chunks=_bad_chunks, mrope=False)
+    return CASES["llava_ov"]
 
 
 def test_chunk_tokens_per_frame_without_newline():
