@@ -194,8 +194,9 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     run on CPU tensors only). Result: held' = min(W, held + F), kept = slot_frames (the same tensor, updated),
     compacted = reindex.
     """
+    # the arriving values' finiteness is checked on their features, inside the step before its first write
     cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held,
-                           num_frames, first_frame, reindex, next_position, features)
+                           num_frames, first_frame, reindex, next_position, features, arriving_values=False)
     impl = _pick(backend, keys.device, _frame_update.h2svc_step_triton, _frame_update.h2svc_step_torch)
     held_after = impl(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held, num_frames,
                       first_frame, reindex, next_position, features)

@@ -363,12 +363,19 @@ def _angle_table(delta: torch.Tensor, inv_freq: torch.Tensor):
 
 def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq, mrope_section):
     """Row work in one call of the C kernel (compact_cpu.c): each (layer, stream, head) row is walked once, left to
-    right, in place; same arguments and result as `_rows_torch` except the sums come back in float64."""
+    right, in place; same arguments and result as `_rows_torch` except the sums come back in float64.
+    delta=None (no pruned tokens): nothing rotates, rows only move — every token reads the one table row of
+    delta 0, so the walk skips the tokens that stay and copies the others exactly."""
     L, B, Hkv, N, D = keys.shape
-    A = delta.shape[2]
-    deltas = delta.reshape(-1) if pruned is None else torch.cat([delta.reshape(-1), to_target.reshape(-1)])
-    cos, sin, rows, zero = _angle_table(deltas, inv_freq)
-    ktab = rows[:delta.numel()].contiguous()
+    if delta is None:
+        A, mrope_section = 1, None
+        cos, sin = torch.ones(1, D // 2), torch.zeros(1, D // 2)
+        ktab, zero = torch.zeros(src.shape[:-1] + (1, src.shape[-1]), dtype=torch.int32), 0
+    else:
+        A = delta.shape[2]
+        deltas = delta.reshape(-1) if pruned is None else torch.cat([delta.reshape(-1), to_target.reshape(-1)])
+        cos, sin, rows, zero = _angle_table(deltas, inv_freq)
+        ktab = rows[:delta.numel()].contiguous()
     section = torch.tensor([D // 2] if mrope_section is None else list(mrope_section), dtype=torch.int64)
     if pruned is None:
         m, ptab, pruned, sums = 0, ktab, src, torch.zeros(2, 1, dtype=torch.float64)

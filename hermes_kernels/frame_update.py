@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from hermes.h2svc import EPISODIC, H2SVCConfig
+from hermes.h2svc.validation import check_arriving_features
 
 from . import frame_features as _features
 from . import stce as _stce
@@ -161,6 +162,7 @@ def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, 
     arriving = None
     if cls == EPISODIC:
         arriving = feature_op(values[:, :, P + held * T:P + S * T], T)
+        check_arriving_features(arriving)  # nothing is written yet
         # only the first `held` home slots hold frames (validated on CPU; enforced here on every device)
         frames = slot_frames.masked_fill(torch.arange(W, device=slot_frames.device) >= held, -1)
         kept = stce_op(features, frames, arriving, first_frame, W)
@@ -209,11 +211,8 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mr
     k5, v5 = keys.unsqueeze(2), values.unsqueeze(2)  # compaction's movers take [L, B, Hkv, N, D]
     home_tokens = _tokens(work.source, P, T)  # the C walk and the tiled rotation write list entry i to slot P + i
     if _use_native(None, k5, v5):
-        delta = work.delta
-        if delta is None:  # zero deltas: the walk skips every token that stays, and copies the movers exactly
-            A = 3 if mrope_section is not None else 1
-            delta = torch.zeros((H, B, A, home_tokens.shape[-1]), dtype=torch.int64, device=keys.device)
-        _rows_native(k5, v5, P, home_tokens, delta, H, None, None, inv_freq, mrope_section)
+        # without re-indexing (delta None) the walk skips every token that stays and copies the movers exactly
+        _rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
     elif work.delta is not None:
         _rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
     else:

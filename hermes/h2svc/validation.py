@@ -18,7 +18,8 @@ from ..validation import CACHE_DTYPES, SCORE_DTYPES, check_rotary, check_same_de
 from .config import EPISODIC, H2SVCConfig, class_counts, class_id
 
 __all__ = ["check_config", "check_frame_features", "check_trajectory", "check_stce", "check_fifo",
-           "check_h2svc_step", "check_attention_profile", "check_tad_pair", "check_head_scores"]
+           "check_h2svc_step", "check_arriving_features", "check_attention_profile", "check_tad_pair",
+           "check_head_scores"]
 
 
 def _int(name: str, value, minimum: int) -> int:
@@ -141,7 +142,8 @@ def check_fifo(frames, first_frame, num_frames, window, contents: bool | None = 
 
 
 def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held, num_frames,
-                     first_frame, reindex, next_position, features, contents: bool | None = None) -> int:
+                     first_frame, reindex, next_position, features, contents: bool | None = None,
+                     arriving_values: bool = True) -> int:
     """All checks of one `h2svc_step` on a class block (interface of issue 9), before anything is written.
     Returns the class as an int.
 
@@ -152,7 +154,9 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, m
     features: for EPISODIC a float32 [H_c, B, W, D] tensor (float64 for a float64 cache); None otherwise (ours:
     FIFO classes carry no features, so passing some is a caller bug).
     Contents: slot_frames[..., :held] distinct frame indices older than first_frame, slot_frames[..., held:]
-    all −1; EPISODIC: held features and the arriving values finite.
+    all −1; EPISODIC: held features and the arriving values finite. `arriving_values=False` leaves the last one
+    to the caller, who checks the arriving frames' features instead (`check_arriving_features`): a non-finite
+    value makes its frame's mean non-finite, and the features are T_f times smaller than the values.
     """
     check_config(cfg)
     cls = class_id(cls, "cls")
@@ -214,8 +218,16 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, m
         _check_held_frames("slot_frames", slot_frames[..., :held], first_frame, "first_frame")
         if cls == EPISODIC:
             _check_finite("features", features[..., :held, :], "the held frames' features")
-            _check_finite("values", values[:, :, P + held * T_f:P + (held + F) * T_f], "the arriving frames")
+            if arriving_values:
+                _check_finite("values", values[:, :, P + held * T_f:P + (held + F) * T_f], "the arriving frames")
     return cls
+
+
+def check_arriving_features(arriving: torch.Tensor, contents: bool | None = None) -> None:
+    """The arriving frames' features [H_c, B, F, D] finite (contents check, CPU tensors by default), before the
+    step writes anything: what `check_h2svc_step(..., arriving_values=False)` leaves to its caller."""
+    if _read_contents(contents, arriving):
+        _check_finite("values", arriving, "the arriving frames (their mean is not finite)")
 
 
 def check_attention_profile(probs, frame_of_token, num_kv_heads, text_queries=None) -> int:
