@@ -56,6 +56,7 @@ from hermes.config import DEEP, HermesConfig
 from hermes.rope import rotary_cos_sin
 
 from . import native
+from .gpu_specs import SpecCase, gpu_spec
 from .launch import launch
 
 __all__ = ["compact_torch", "compact_triton", "reindex_flag"]
@@ -689,3 +690,11 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
            summary_role, A=A, T_END=t_end, H_END=h_end, WORK=_TL_WORK[work],
            BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag
+
+
+@gpu_spec(_rank_kernel, _plan_kernel, _move_kernel, max_spill_bytes=0)
+def _gpu_spec(case: SpecCase) -> None:
+    """The step's compaction of the cache views, with the case's re-index trigger."""
+    keys, values, positions = case.cache()
+    compact_triton(keys, values, positions, case.keep(), case.cfg, case.inv_freq(), case.mrope_section, None,
+                   case.compacted_flag())

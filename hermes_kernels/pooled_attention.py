@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gpu_specs import SpecCase, gpu_spec
 from .launch import launch
 
 _LOG2E = 1.4426950408889634
@@ -155,6 +156,13 @@ def pooled_attention_triton(q: torch.Tensor, k: torch.Tensor, scale: float | Non
     launch(_pooled_kernel, (L * B, triton.cdiv(N, block_n)), q5, k5, lse, out5,
            B, Hkv, G, Q, N, D, qk_scale, 1.0 / (H * Q), *q5.stride(), *k5.stride(), *out5.stride(), **meta)
     return out5 if q.dim() == 5 else out5[0]
+
+
+@gpu_spec(_row_lse_kernel, _pooled_kernel, max_spill_bytes=0)
+def _gpu_spec(case: SpecCase) -> None:
+    """Each guidance prompt's pooling over one layer of the cache, as `hermes.attention` calls it."""
+    for q_len in case.guidance_tokens:
+        pooled_attention_triton(*case.guidance(q_len), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
