@@ -607,13 +607,14 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
 
 # One program per (layer, stream, KV head, channel group) walks source tokens left to right in tiles of BLOCK_T:
 # loads the K/V rows it needs (moved, rotated, or pruned in a summarising layer) once, and after a barrier stores
-# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe.
-@triton.jit
+# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe. The
+# M-RoPE section ends t_end, h_end (in pairs) are runtime values, not specialised: every head dim and section
+# shares one compile.
+@triton.jit(do_not_specialize=["t_end", "h_end"])
 def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, role_ptr,
                  sk_l, sk_b, sk_h, sk_n, sk_d, sv_l, sv_b, sv_h, sv_n, sv_d,
-                 B, Hkv, P, V, HALF, summary_role,
-                 A: tl.constexpr, T_END: tl.constexpr, H_END: tl.constexpr, WORK: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+                 B, Hkv, P, V, HALF, summary_role, t_end, h_end,
+                 A: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
     pid = tl.program_id(0)  # (layer, stream, head), head fastest
     head = pid % Hkv
     row = pid // Hkv
@@ -626,7 +627,7 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, ro
     in_dim = pair < HALF
     inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
     if A == 3:
-        axis = (pair >= T_END).to(tl.int32) + (pair >= H_END).to(tl.int32)  # M-RoPE section of each pair
+        axis = (pair >= t_end).to(tl.int32) + (pair >= h_end).to(tl.int32)  # M-RoPE section of each pair
     k_base = k_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
     v_base = v_ptr + layer.to(tl.int64) * sv_l + stream.to(tl.int64) * sv_b + head.to(tl.int64) * sv_h
     k_col1 = pair[None, :] * sk_d
@@ -750,9 +751,8 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
            summary_role, A=A, TRIGGER=trigger, CHUNK=chunk)
     block_pairs = min(32, triton.next_power_of_2(half))
     launch(_move_kernel, (L * B * Hkv, triton.cdiv(half, block_pairs)), keys, values, dest, delta, inv,
-           budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
-           summary_role, A=A, T_END=t_end, H_END=h_end, WORK=_TL_WORK[work],
-           BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
+           budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half, summary_role, t_end, h_end,
+           A=A, WORK=_TL_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag
 
 
