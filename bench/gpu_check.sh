@@ -7,8 +7,8 @@
 #
 # Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional) already installed;
 # installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt, tests.log,
-# bench.log, <gpu>.csv, <gpu>.png. At most 7 minutes (3 for the tests, 4 for the table); the exit status
-# is non-zero if the tests or the benchmark failed.
+# kernels.log, bench.log, <gpu>.csv, <gpu>.png. At most 8 minutes (3 for the tests, 1 for the static compile
+# table, 4 for the benchmark); the exit status is non-zero if the tests, the compile check or the benchmark failed.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -39,7 +39,14 @@ tests_rc=0
 timeout 180 "$python" -m pytest "${cuda_tests[@]}" -x -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" \
     || tests_rc=$?
 
-# 2. The benchmark table (the reference is slow Python per layer: fewer repeats).
+# 2. The static compile table of the same shapes (registers, spills, occupancy, access widths), to read next to
+#    the measured times (python -m bench.kernels; it compiles for sm_80/sm_90 and needs no device).
+echo "== kernel compile table"
+kernels_rc=0
+timeout 60 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b --dtypes fp16 \
+    --jobs "$(nproc)" 2>&1 | tee "$out/kernels.log" || kernels_rc=$?
+
+# 3. The benchmark table (the reference is slow Python per layer: fewer repeats).
 echo "== benchmark"
 bench_rc=0
 timeout 240 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
@@ -47,7 +54,7 @@ timeout 240 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b 
     --repeats 30 --reference-repeats 3 --warmup 3 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
     || bench_rc=$?
 
-echo "== gpu_check: tests exit ${tests_rc}, bench exit ${bench_rc}; results in $out"
-if [[ $tests_rc -ne 0 || $bench_rc -ne 0 ]]; then
+echo "== gpu_check: tests exit ${tests_rc}, compile check exit ${kernels_rc}, bench exit ${bench_rc}; results in $out"
+if [[ $tests_rc -ne 0 || $kernels_rc -ne 0 || $bench_rc -ne 0 ]]; then
     exit 1
 fi

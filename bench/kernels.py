@@ -152,12 +152,14 @@ def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int =
                     guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
 
 
-def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None) -> list:
+def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None,
+               streams: list[int] | None = None) -> list[gpu_specs.SpecCase]:
     """The cases every spec is driven at (16-frame chunks, the stream's default room, one stream unless said):
     the 7B shapes (LLaVA-OV 1D, Qwen2.5-VL M-RoPE) x fp16/bf16/fp32 x budgets 6000/4000 x re-index
     lazy/eager/given; head dims 64 and 256 (LLaVA-OV-0.5B, and the 7B shapes at D = 64 / 256) x each dtype at
     budget 6000, lazy; the 7B shapes with two streams (fp16, 6000, lazy: B = 1 is specialised as a constant, so
-    B > 1 compiles apart). `models` / `dtypes` keep only those model names (as labelled) / dtypes."""
+    B > 1 compiles apart). `models` / `dtypes` / `streams` keep only those model names (as labelled) / dtypes /
+    stream counts."""
     seven = [SHAPES["llava-ov-7b"], SHAPES["qwen2.5-vl-7b"]]
     dims = [SHAPES["llava-ov-0.5b"], _with_head_dim(seven[1], 64), _with_head_dim(seven[0], 256),
             _with_head_dim(seven[1], 256)]
@@ -168,7 +170,8 @@ def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None)
         cases += [_case(s, dtype, budgets[0], "lazy") for s in dims]
         if dtype == "fp16":
             cases += [_case(s, dtype, budgets[0], "lazy", batch=2) for s in seven]
-    return [c for c in cases if models is None or c.label.split()[0] in models]
+    return [c for c in cases if (models is None or c.label.split()[0] in models)
+            and (streams is None or c.batch in streams)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,7 +375,8 @@ def format_table(rows: list[dict]) -> str:
     header = ["kernel", "target", "spec", "cases", "warps", "regs", "spill st/ld", "smem", "blk/SM", "occ",
               "grid@case", "waves", "ld.global", "cp.async", "st.global"]
     lines = [header]
-    for row in sorted(rows, key=lambda r: (r["module"], r["kernel"], r["target"], r["spec"])):
+    # stable: within a kernel and target, rows stay in the order of their first case
+    for row in sorted(rows, key=lambda r: (r["module"], r["kernel"], r["target"])):
         first = row["cases"][0] + (f" +{len(row['cases']) - 1}" if len(row["cases"]) > 1 else "")
         if "error" in row:
             lines.append([row["kernel"], row["target"], row["spec"], first, "COMPILE ERROR"] + [""] * 10)
@@ -393,6 +397,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", help="only the cases of these model labels, e.g. llava-ov-7b "
                    "qwen2.5-vl-7b 'llava-ov-7b[D=256]' (default: all)")
     p.add_argument("--dtypes", nargs="+", choices=sorted(_DTYPES), help="only these cache dtypes (default: all)")
+    p.add_argument("--streams", nargs="+", type=int, choices=[1, 2], help="only cases with these stream counts")
     p.add_argument("--kernels", nargs="+", help="only these kernels, by function name (default: all)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: CPUs)")
     p.add_argument("--json", type=Path, help="also write the rows and problems to this JSON file")
@@ -409,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # the guard compiles with the default
     start = time.perf_counter()
-    recorded, coverage = record(spec_cases(args.models, args.dtypes))
+    recorded, coverage = record(spec_cases(args.models, args.dtypes, args.streams))
     if args.kernels:
         recorded = [r for r in recorded if r.kernel.rsplit(".", 1)[1] in args.kernels]
     rows = build_rows(recorded, args.targets, args.jobs)
