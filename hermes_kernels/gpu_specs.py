@@ -136,10 +136,10 @@ def gpu_spec(*kernels, max_spill_bytes: int = 0) -> Callable[[Callable[[SpecCase
 
 
 def _package_modules() -> list:
-    """Every module of hermes_kernels, imported (so their specs are registered)."""
+    """Every module of hermes_kernels and its subpackages, imported (so their specs are registered)."""
     package = importlib.import_module(__package__)
-    return [package] + [importlib.import_module(f"{__package__}.{info.name}")
-                        for info in pkgutil.walk_packages(package.__path__, prefix="")]
+    return [package] + [importlib.import_module(info.name)
+                        for info in pkgutil.walk_packages(package.__path__, prefix=f"{__package__}.")]
 
 
 def registered_specs() -> list[GpuSpec]:

@@ -152,24 +152,31 @@ def _fake_kernel(name: str):
 
 
 def test_coverage_rules(monkeypatch):
-    """A kernel without a spec, a spec that never launches a kernel it names, and a spec launching a kernel it
-    does not name are all reported."""
-    covered, unspecced, named_only, stray = (_fake_kernel(n) for n in ("covered", "unspecced", "named", "stray"))
+    """A kernel without a spec, a spec that never launches a kernel it names, a spec launching a kernel it does
+    not name, and a driver that raises (a launcher reading device data, here a meta tensor) are all reported."""
+    covered, unspecced, named_only, stray, host = (_fake_kernel(n) for n in ("covered", "unspecced", "named",
+                                                                             "stray", "host"))
 
     def drive(case):
         launch(covered, (1,))
         launch(stray, (1,))
 
-    spec = gpu_specs.GpuSpec("fake.spec", (covered, named_only), drive, 0)
-    monkeypatch.setattr(gpu_specs, "registered_specs", lambda: [spec])
+    def reads_the_device(case):
+        launch(host, (int(torch.zeros(1, device="meta").sum()),))
+
+    specs = [gpu_specs.GpuSpec("fake.spec", (covered, named_only), drive, 0),
+             gpu_specs.GpuSpec("fake.host", (host,), reads_the_device, 0)]
+    monkeypatch.setattr(gpu_specs, "registered_specs", lambda: specs)
     monkeypatch.setattr(gpu_specs, "jit_kernels", lambda: {gpu_specs.kernel_name(k): k
-                                                           for k in (covered, unspecced, named_only)})
+                                                           for k in (covered, unspecced, named_only, host)})
     recorded, problems = guard_module.record([types.SimpleNamespace(label="case")])
     assert [r.kernel for r in recorded] == ["hermes_kernels.fake.covered", "hermes_kernels.fake.stray"]
-    assert problems == ["fake.spec launches hermes_kernels.fake.stray, which it does not name",
-                        "fake.spec names hermes_kernels.fake.named but never launches it",
-                        "hermes_kernels.fake.unspecced has no compile spec (register one with "
-                        "hermes_kernels.gpu_specs.gpu_spec)"]
+    assert problems[:2] == ["fake.spec launches hermes_kernels.fake.stray, which it does not name",
+                            "fake.spec names hermes_kernels.fake.named but never launches it"]
+    assert problems[2].startswith("fake.host at case: the driver raised")
+    assert problems[3:] == ["fake.host names hermes_kernels.fake.host but never launches it",
+                            "hermes_kernels.fake.unspecced has no compile spec (register one with "
+                            "hermes_kernels.gpu_specs.gpu_spec)"]
 
 
 def test_gpu_spec_rejects_bad_arguments():
