@@ -8,8 +8,9 @@
 #
 # Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional) already installed;
 # installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt, tests.log,
-# bench.log, bench_h2svc.log, <gpu>.csv, <gpu>.png. At most 10 minutes (3 for the tests, 4 for the HERMES table,
-# 3 for the H2SVC table); the exit status is non-zero if the tests or a benchmark failed.
+# kernels.log, bench.log, bench_h2svc.log, <gpu>.csv, <gpu>.png. At most 11 minutes (3 for the tests, 1 for the
+# static compile table, 4 for the HERMES table, 3 for the H2SVC table); the exit status is non-zero if the tests,
+# the compile check or a benchmark failed.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -40,7 +41,14 @@ tests_rc=0
 timeout 180 "$python" -m pytest "${cuda_tests[@]}" -x -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" \
     || tests_rc=$?
 
-# 2. The benchmark table (the reference is slow Python per layer: fewer repeats).
+# 2. The static compile table of the same shapes (registers, spills, occupancy, access widths), to read next to
+#    the measured times (python -m bench.kernels; it compiles for sm_80/sm_90 and needs no device).
+echo "== kernel compile table"
+kernels_rc=0
+timeout 60 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b --dtypes fp16 \
+    --jobs "$(nproc)" 2>&1 | tee "$out/kernels.log" || kernels_rc=$?
+
+# 3. The benchmark table (the reference is slow Python per layer: fewer repeats).
 echo "== benchmark"
 bench_rc=0
 timeout 240 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
@@ -49,7 +57,7 @@ timeout 240 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b 
     --repeats 30 --reference-repeats 3 --warmup 3 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
     || bench_rc=$?
 
-# 3. The H2SVC stages (the per-head reference step takes seconds: one timed run, one warm-up).
+# 4. The H2SVC stages (the per-head reference step takes seconds: one timed run, one warm-up).
 echo "== benchmark: H2SVC stages"
 h2svc_rc=0
 timeout 180 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 --chunks 8 16 \
@@ -57,7 +65,8 @@ timeout 180 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b 
     --repeats 30 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --results-dir "$out" 2>&1 \
     | tee "$out/bench_h2svc.log" || h2svc_rc=$?
 
-echo "== gpu_check: tests exit ${tests_rc}, bench exit ${bench_rc}, H2SVC bench exit ${h2svc_rc}; results in $out"
-if [[ $tests_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 ]]; then
+echo "== gpu_check: tests exit ${tests_rc}, compile check exit ${kernels_rc}, bench exit ${bench_rc}, H2SVC bench exit" \
+    "${h2svc_rc}; results in $out"
+if [[ $tests_rc -ne 0 || $kernels_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 ]]; then
     exit 1
 fi

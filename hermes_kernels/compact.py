@@ -56,6 +56,7 @@ from hermes.config import DEEP, HermesConfig
 from hermes.rope import rotary_cos_sin
 
 from . import native
+from .gpu_specs import SpecCase, gpu_spec
 from .launch import launch
 
 __all__ = ["compact_torch", "compact_triton", "reindex_flag"]
@@ -69,6 +70,12 @@ _TILE_ELEMENTS = 1 << 19
 # largest vector the rank/plan kernels loop over positions with.
 _MOVE_TOKENS = 32
 _CHUNK = 1024
+# The rank kernel's positions per sweep, radix digit width and warps: one [512, 16] one-hot tile per sweep of the
+# sort, at most 16 passes for any int64 span; about 100 registers per thread on sm_80/sm_90, no spills (8 warps
+# reached 128 and spilled at B > 1; bench/kernels.py). Its grid (L·B·A programs) leaves every program an SM.
+_RANK_CHUNK = 512
+_RADIX_BITS = 4
+_RANK_WARPS = 16
 
 
 def _scratch(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -408,62 +415,121 @@ def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq
 # ----------------------------------------------------------------------------------------------------------------
 
 _BIG_C = tl.constexpr(_BIG)
-_KEY_PAD = tl.constexpr(2 ** 63 - 1)  # sorts after every packed (value, index) key
 
 
 @triton.jit
-def _count_changes(first_a, last_a, count_a, first_b, last_b, count_b):
-    # scan element = a run of sorted values: (first value, last value, value changes inside); concatenation adds
-    # one change where the runs meet on different values, so the inclusive scan counts changes up to each lane
-    return first_a, last_b, count_a + count_b + (first_b != last_a).to(count_a.dtype)
+def _kept_values(row, keep_row, i, valid, P, sp_n, sk_n):
+    """Positions (one axis row) of the kept tokens at keep indices i, 0 on masked lanes."""
+    src = tl.load(keep_row + i * sk_n, mask=valid, other=0)
+    return tl.load(row + (P + src) * sp_n, mask=valid, other=0)
 
 
-# Reads one axis row of positions (all N, when the kernels decide the lazy trigger) and the kept tokens' values
-# (gathered through keep); writes the compacted candidate P + dense rank for every kept token, in keep order. The
-# sort packs (value - row minimum, lane) into one int64, so a row's retained values must span less than
-# 2**(63 - IDX_BITS).
 @triton.jit
-def _rank_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr,
+def _one_hot(x, valid, digits, RADIX_BITS: tl.constexpr):
+    """int32 [CHUNK, 2**RADIX_BITS]: 1 where the low RADIX_BITS of x equal the column's digit (valid lanes)."""
+    return (((x & ((1 << RADIX_BITS) - 1))[:, None] == digits[None, :]) & valid[:, None]).to(tl.int32)
+
+
+# One program per (layer, stream, axis). Reads the axis row of positions (all N, when the kernels decide the lazy
+# trigger) and the kept tokens' values (gathered through keep); writes the compacted candidate P + dense rank of
+# every kept token, in keep order. Everything goes in CHUNK-sized pieces, so registers do not grow with the budget.
+# Rows already non-decreasing in cache order take the prefix-sum path; others are sorted in scratch (`sort_ptr`,
+# two int64 buffers of n_out per program) by an LSD radix sort of RADIX_BITS-bit digits of (value - row minimum):
+# one stable scatter sweep per digit, only as many digits as the row's span has (an in-register sort of the whole
+# row spilled and took minutes to compile at the 7B budgets). A key packs (value - minimum, lane) into one int64,
+# so a row's retained values must span less than 2**(63 - idx_bits).
+@triton.jit
+def _rank_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, sort_ptr,
                  sp_l, sp_b, sp_a, sp_n, sk_l, sk_b, sk_n,
-                 B, N, P, V, n_out,
-                 A: tl.constexpr, LAZY: tl.constexpr, BLOCK_N: tl.constexpr, IDX_BITS: tl.constexpr,
-                 CHUNK: tl.constexpr):
+                 B, N, P, V, n_out, idx_bits,
+                 A: tl.constexpr, LAZY: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr):
     pid = tl.program_id(0)  # (layer, stream, axis), axis fastest
     axis = pid % A
     layer = pid // A // B
     stream = pid // A % B
     row = pos_ptr + layer.to(tl.int64) * sp_l + stream.to(tl.int64) * sp_b + axis.to(tl.int64) * sp_a
+    lanes = tl.arange(0, CHUNK)
     if LAZY:
         # §2.7 lazy trigger, part 1: the largest position of this row
         top = tl.full([CHUNK], -_BIG_C, tl.int64)
         for start in range(0, N, CHUNK):
-            j = start + tl.arange(0, CHUNK)
+            j = start + lanes
             top = tl.maximum(top, tl.load(row + j.to(tl.int64) * sp_n, mask=j < N, other=-_BIG_C))
         tl.store(rowmax_ptr + pid, tl.max(top, axis=0))
 
     n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
-    i = tl.arange(0, BLOCK_N)
-    valid = i < n_keep
-    later = valid & (i > 0)
     keep_row = keep_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b
-    src = tl.load(keep_row + i * sk_n, mask=valid, other=0)
-    old = tl.load(row + (P + src) * sp_n, mask=valid, other=0)
-    prev_src = tl.load(keep_row + (i - 1) * sk_n, mask=later, other=0)
-    prev = tl.load(row + (P + prev_src) * sp_n, mask=later, other=0)
     out = cand_ptr + pid.to(tl.int64) * n_out
-    descents = tl.sum((later & (old < prev)).to(tl.int32), axis=0)
+    descents = 0
+    low = tl.full([CHUNK], _BIG_C, tl.int64)
+    high = tl.full([CHUNK], -_BIG_C, tl.int64)
+    for start in range(0, n_keep, CHUNK):
+        i = start + lanes
+        valid = i < n_keep
+        later = valid & (i > 0)
+        old = _kept_values(row, keep_row, i, valid, P, sp_n, sk_n)
+        prev = _kept_values(row, keep_row, i - 1, later, P, sp_n, sk_n)
+        descents += tl.sum((later & (old < prev)).to(tl.int32), axis=0)
+        low = tl.minimum(low, tl.where(valid, old, _BIG_C))
+        high = tl.maximum(high, tl.where(valid, old, -_BIG_C))
+
+    changes = tl.zeros([], tl.int64)
     if descents == 0:
         # values already non-decreasing in cache order (1D caches, the t axis): dense rank = changes so far
-        rank = tl.cumsum((later & (old != prev)).to(tl.int64), axis=0)
-        tl.store(out + i, P + rank, mask=valid)
+        for start in range(0, n_keep, CHUNK):
+            i = start + lanes
+            valid = i < n_keep
+            later = valid & (i > 0)
+            changed = (later & (_kept_values(row, keep_row, i, valid, P, sp_n, sk_n)
+                                != _kept_values(row, keep_row, i - 1, later, P, sp_n, sk_n))).to(tl.int64)
+            tl.store(out + i, P + changes + tl.cumsum(changed, axis=0), mask=valid)
+            changes += tl.sum(changed, axis=0)
     else:
-        # general case (h/w axes cycle inside frames): sort (value, index) keys, count value changes, scatter back
-        lowest = tl.min(tl.where(valid, old, _BIG_C), axis=0)
-        key = tl.where(valid, ((old - lowest) << IDX_BITS) | i.to(tl.int64), _KEY_PAD)
-        key = tl.sort(key)
-        value = key >> IDX_BITS
-        _, _, rank = tl.associative_scan((value, value, tl.zeros_like(value)), 0, _count_changes)
-        tl.store(out + (key & ((1 << IDX_BITS) - 1)), P + rank, mask=valid)
+        # general case (h/w axes cycle inside frames): radix-sort (value, lane) keys, count value changes in
+        # sorted order, scatter the ranks back to the lanes
+        lowest = tl.min(low, axis=0)
+        span = tl.max(high, axis=0) - lowest
+        src = sort_ptr + pid.to(tl.int64) * 2 * n_out
+        dst = src + n_out
+        digits = tl.arange(0, 1 << RADIX_BITS)
+        count = tl.zeros([1 << RADIX_BITS], tl.int32)  # keys per value of the next pass's digit
+        for start in range(0, n_keep, CHUNK):
+            i = start + lanes
+            valid = i < n_keep
+            key = ((_kept_values(row, keep_row, i, valid, P, sp_n, sk_n) - lowest) << idx_bits) | i.to(tl.int64)
+            tl.store(src + i, key, mask=valid)
+            count += tl.sum(_one_hot(key >> idx_bits, valid, digits, RADIX_BITS), axis=0)
+        passes = 0
+        for bit in tl.static_range(0, 64, RADIX_BITS):
+            passes += ((span >> bit) != 0).to(tl.int32)
+        for step in range(0, passes):
+            tl.debug_barrier()  # the previous sweep's keys are stored before any thread reads them
+            shift = idx_bits + step * RADIX_BITS
+            # stable scatter: a key goes after every smaller digit and after its digit's earlier keys
+            slot = tl.cumsum(count, axis=0) - count
+            count = tl.zeros([1 << RADIX_BITS], tl.int32)
+            for start in range(0, n_keep, CHUNK):
+                i = start + lanes
+                valid = i < n_keep
+                key = tl.load(src + i, mask=valid, other=0)
+                hit = _one_hot(key >> shift, valid, digits, RADIX_BITS)
+                tl.store(dst + tl.sum(hit * (slot[None, :] + tl.cumsum(hit, axis=0) - hit), axis=1), key,
+                         mask=valid)
+                slot += tl.sum(hit, axis=0)
+                # the next digit's counts are order-free: gather them here instead of in a sweep of their own
+                count += tl.sum(_one_hot(key >> tl.minimum(shift + RADIX_BITS, 63), valid, digits, RADIX_BITS),
+                                axis=0)
+            src, dst = dst, src
+        tl.debug_barrier()
+        for start in range(0, n_keep, CHUNK):
+            i = start + lanes
+            valid = i < n_keep
+            later = valid & (i > 0)
+            key = tl.load(src + i, mask=valid, other=0)
+            changed = (later & ((key >> idx_bits) != (tl.load(src + i - 1, mask=later, other=0) >> idx_bits)))
+            changed = changed.to(tl.int64)
+            tl.store(out + (key & ((1 << idx_bits) - 1)), P + changes + tl.cumsum(changed, axis=0), mask=valid)
+            changes += tl.sum(changed, axis=0)
 
 
 # One program per (layer, stream); everything it touches is that row's: reads positions, keep and the candidates,
@@ -548,13 +614,14 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
 
 # One program per (layer, stream, KV head, channel group) walks source tokens left to right in tiles of BLOCK_T:
 # loads the K/V rows it needs (moved, rotated, or pruned in a summarising layer) once, and after a barrier stores
-# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe.
-@triton.jit
+# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe. The
+# M-RoPE section ends t_end, h_end (in pairs) are runtime values, not specialised: every head dim and section
+# shares one compile.
+@triton.jit(do_not_specialize=["t_end", "h_end"])
 def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, role_ptr,
                  sk_l, sk_b, sk_h, sk_n, sk_d, sv_l, sv_b, sv_h, sv_n, sv_d,
-                 B, Hkv, P, V, HALF, summary_role,
-                 A: tl.constexpr, T_END: tl.constexpr, H_END: tl.constexpr, WORK: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+                 B, Hkv, P, V, HALF, summary_role, t_end, h_end,
+                 A: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
     pid = tl.program_id(0)  # (layer, stream, head), head fastest
     head = pid % Hkv
     row = pid // Hkv
@@ -567,7 +634,7 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, ro
     in_dim = pair < HALF
     inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
     if A == 3:
-        axis = (pair >= T_END).to(tl.int32) + (pair >= H_END).to(tl.int32)  # M-RoPE section of each pair
+        axis = (pair >= t_end).to(tl.int32) + (pair >= h_end).to(tl.int32)  # M-RoPE section of each pair
     k_base = k_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
     v_base = v_ptr + layer.to(tl.int64) * sv_l + stream.to(tl.int64) * sv_b + head.to(tl.int64) * sv_h
     k_col1 = pair[None, :] * sk_d
@@ -679,20 +746,26 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     flag = _scratch((), torch.bool, device) if compacted_flag is None else compacted_flag
     trigger = cfg.reindex if compacted_flag is None else "given"
     summary_role = DEEP if cfg.summary else -1  # layers of this role fold their pruned tokens (Alg. 1)
-    block_n = triton.next_power_of_2(n)
     chunk = min(_CHUNK, triton.next_power_of_2(max(N, L * B * A)))
-    warps = min(16, max(4, block_n // 512))  # the sort holds the whole kept row in registers
+    rank_chunk = min(_RANK_CHUNK, chunk)
+    sort = _scratch((L * B * A, 2, n), torch.int64, device)  # the rank kernel's radix-sort buffers
 
-    launch(_rank_kernel, (L * B * A,), pos, keep, cand, rowmax, budget,
-           *pos.stride(), *keep.stride(), B, N, P, V, n,
-           A=A, LAZY=trigger == "lazy", BLOCK_N=block_n, IDX_BITS=block_n.bit_length() - 1, CHUNK=chunk,
-           num_warps=warps)
+    launch(_rank_kernel, (L * B * A,), pos, keep, cand, rowmax, budget, sort,
+           *pos.stride(), *keep.stride(), B, N, P, V, n, max(1, (n - 1).bit_length()),
+           A=A, LAZY=trigger == "lazy", CHUNK=rank_chunk, RADIX_BITS=_RADIX_BITS, num_warps=_RANK_WARPS)
     launch(_plan_kernel, (L * B,), pos, keep, cand, rowmax, budget, role, dest, delta,
            flag, *pos.stride(), *keep.stride(), B, P, V, n, L * B * A, cfg.max_positions - cfg.margin,
            summary_role, A=A, TRIGGER=trigger, CHUNK=chunk)
     block_pairs = min(32, triton.next_power_of_2(half))
     launch(_move_kernel, (L * B * Hkv, triton.cdiv(half, block_pairs)), keys, values, dest, delta, inv,
-           budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
-           summary_role, A=A, T_END=t_end, H_END=h_end, WORK=_TL_WORK[work],
-           BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
+           budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half, summary_role, t_end, h_end,
+           A=A, WORK=_TL_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag
+
+
+@gpu_spec(_rank_kernel, _plan_kernel, _move_kernel, max_spill_bytes=0)
+def _gpu_spec(case: SpecCase) -> None:
+    """The step's compaction of the cache views, with the case's re-index trigger."""
+    keys, values, positions = case.cache()
+    compact_triton(keys, values, positions, case.keep(), case.cfg, case.inv_freq(), case.mrope_section, None,
+                   case.compacted_flag())

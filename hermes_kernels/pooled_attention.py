@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gpu_specs import SpecCase, gpu_spec
 from .launch import launch
 
 _LOG2E = 1.4426950408889634
@@ -47,14 +48,29 @@ def _output(out: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch
 # Triton
 # ----------------------------------------------------------------------------------------------------------------------
 
-# Pass 1, grid (L·B·Hkv, cdiv(G·Q, BLOCK_M)): a program holds BLOCK_M query rows of one GQA group (row r = g·Q + i is
+@triton.jit
+def _logits(q_rows, row_ok, k_rows, key_ok, D, sq_d, sk_d,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """q·kᵀ float32 [BLOCK_M, BLOCK_N] of the query rows at `q_rows` and the keys at `k_rows` (row pointers), BLOCK_K
+    dims at a time: registers and shared memory stay bounded whatever the head dim (a whole-row fp32 dot spilled)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_K):
+        dims = d0 + tl.arange(0, BLOCK_K)
+        dim_ok = dims < D
+        q = tl.load(q_rows + dims[None, :] * sq_d, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        k = tl.load(k_rows + dims[None, :] * sk_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+    return acc
+
+
+# Pass 1, grid (L·B·Hkv, cdiv(G·Q, BLOCK_M)): a program owns BLOCK_M query rows of one GQA group (row r = g·Q + i is
 # query i of head kv_head·G + g) and streams that group's keys once, BLOCK_N rows at a time, keeping a running max/sum.
 @triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr,
                     B, Hkv, G, Q, N, D, qk_scale,
                     sq_l, sq_b, sq_h, sq_q, sq_d,
                     sk_l, sk_b, sk_h, sk_n, sk_d,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr):
     group = tl.program_id(0).to(tl.int64)
     kv_head = group % Hkv
@@ -64,10 +80,7 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr,
     row_ok = rows < G * Q
     query = rows % Q
     head = kv_head * G + rows // Q
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < D
-    q_tile = tl.load(q_ptr + layer * sq_l + stream * sq_b + head[:, None] * sq_h + query[:, None] * sq_q
-                     + dims[None, :] * sq_d, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    q_rows = q_ptr + layer * sq_l + stream * sq_b + head[:, None] * sq_h + query[:, None] * sq_q
     last_visible = N - Q + query
     k_base = k_ptr + layer * sk_l + stream * sk_b + kv_head * sk_h
     # a finite start keeps padded rows NaN-free; every real row sees key 0, so its max becomes a real logit
@@ -75,10 +88,9 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr,
     run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        k_tile = tl.load(k_base + keys[:, None] * sk_n + dims[None, :] * sk_d,
-                         mask=(keys < N)[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
         # logits in log2 units: exp2(s·log2e) == exp(s)
-        logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * qk_scale
+        logits = _logits(q_rows, row_ok, k_base + keys[:, None] * sk_n, keys < N, D, sq_d, sk_d,
+                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION) * qk_scale
         logits = tl.where(keys[None, :] <= last_visible[:, None], logits, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
         run_sum = run_sum * tl.exp2(run_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), axis=1)
@@ -87,42 +99,45 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr,
     tl.store(lse_ptr + group * G * Q + rows, run_max + tl.log2(run_sum), mask=row_ok)
 
 
-# Pass 2, grid (L·B, cdiv(N, BLOCK_N)): key-stationary. A program loads its key tile once per KV head and sweeps all
-# G·Q query rows of that head's group past it (q and lse are small and stay in cache); it alone writes its keys.
+# Pass 2, grid (L·B, cdiv(N, BLOCK_N)): key-stationary. A program owns one key tile of one (layer, stream) and sweeps
+# all G·Q query rows of each KV head's group past it (its keys and the small q and lse stay in cache); it alone
+# writes its keys.
 @triton.jit
 def _pooled_kernel(q_ptr, k_ptr, lse_ptr, out_ptr,
                    B, Hkv, G, Q, N, D, qk_scale, inv_count,
                    sq_l, sq_b, sq_h, sq_q, sq_d,
                    sk_l, sk_b, sk_h, sk_n, sk_d,
                    so_l, so_b, so_n,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr):
     layer_stream = tl.program_id(0).to(tl.int64)
     layer = layer_stream // B
     stream = layer_stream % B
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = keys < N
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < D
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for kv_head in range(0, Hkv):
-        k_tile = tl.load(k_ptr + layer * sk_l + stream * sk_b + kv_head * sk_h + keys[:, None] * sk_n
-                         + dims[None, :] * sk_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        k_rows = k_ptr + layer * sk_l + stream * sk_b + kv_head * sk_h + keys[:, None] * sk_n
         lse_base = lse_ptr + (layer_stream * Hkv + kv_head) * G * Q
         for row_start in range(0, G * Q, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)
             row_ok = rows < G * Q
             query = rows % Q
             head = kv_head * G + rows // Q
-            q_tile = tl.load(q_ptr + layer * sq_l + stream * sq_b + head[:, None] * sq_h + query[:, None] * sq_q
-                             + dims[None, :] * sq_d, mask=row_ok[:, None] & dim_ok[None, :],
-                             other=0.0).to(tl.float32)
+            q_rows = q_ptr + layer * sq_l + stream * sq_b + head[:, None] * sq_h + query[:, None] * sq_q
             lse = tl.load(lse_base + rows, mask=row_ok, other=0.0)
-            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * qk_scale
+            logits = _logits(q_rows, row_ok, k_rows, key_ok, D, sq_d, sk_d,
+                             BLOCK_M, BLOCK_N, BLOCK_K, PRECISION) * qk_scale
             visible = row_ok[:, None] & (keys[None, :] <= (N - Q + query)[:, None])
             # hidden entries go to exp2(-inf) = 0 before exponentiating, so they cannot overflow
             total += tl.sum(tl.exp2(tl.where(visible, logits - lse[:, None], float("-inf"))), axis=0)
     tl.store(out_ptr + layer * so_l + stream * so_b + keys * so_n, total * inv_count, mask=key_ok)
+
+
+# Query rows and head dims per dot: 32 x 32 for tf32, 32 x 16 for the fp32 FMA path (its registers grow fastest
+# with the dims); no spills on sm_80 / sm_90 at 80-146 registers per thread (bench/kernels.py).
+_BLOCK_ROWS = 32
+_BLOCK_DIMS = {"tf32": 32, "ieee": 16}
 
 
 def pooled_attention_triton(q: torch.Tensor, k: torch.Tensor, scale: float | None,
@@ -144,17 +159,23 @@ def pooled_attention_triton(q: torch.Tensor, k: torch.Tensor, scale: float | Non
     # mis-computes bf16 dots. fp32/fp64 inputs need full-precision products to meet fp32 tolerances.
     precision = "tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee"
     rows = G * Q
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(_BLOCK_ROWS, max(16, triton.next_power_of_2(rows)))
     block_n = 64
-    block_d = max(16, triton.next_power_of_2(D))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
-                num_warps=4 if block_d <= 64 else 8)
+    block_k = min(_BLOCK_DIMS[precision], max(16, triton.next_power_of_2(D)))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
     qk_scale = scale * _LOG2E
     launch(_row_lse_kernel, (L * B * Hkv, triton.cdiv(rows, block_m)), q5, k5, lse,
            B, Hkv, G, Q, N, D, qk_scale, *q5.stride(), *k5.stride(), **meta)
     launch(_pooled_kernel, (L * B, triton.cdiv(N, block_n)), q5, k5, lse, out5,
            B, Hkv, G, Q, N, D, qk_scale, 1.0 / (H * Q), *q5.stride(), *k5.stride(), *out5.stride(), **meta)
     return out5 if q.dim() == 5 else out5[0]
+
+
+@gpu_spec(_row_lse_kernel, _pooled_kernel, max_spill_bytes=0)
+def _gpu_spec(case: SpecCase) -> None:
+    """Each guidance prompt's pooling over one layer of the cache, as `hermes.attention` calls it."""
+    for q_len in case.guidance_tokens:
+        pooled_attention_triton(*case.guidance(q_len), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from hermes.config import HermesConfig
 
+from .gpu_specs import SpecCase, gpu_spec
 from .launch import launch
 
 
@@ -169,3 +170,9 @@ def hermes_scores_triton(attn: torch.Tensor, cfg: HermesConfig, out: torch.Tenso
     launch(_hermes_scores_kernel, grid, attn, out, params, L, V, *attn.stride(), *out.stride(),
            CASCADE=cfg.cascade, BLOCK_V=block_v)
     return out
+
+
+@gpu_spec(_hermes_scores_kernel, max_spill_bytes=0)
+def _gpu_spec(case: SpecCase) -> None:
+    """The step's scoring launch on the cache's pooled-attention view."""
+    hermes_scores_triton(case.guidance_attn(), case.cfg)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from hermes.config import HermesConfig
 
+from .gpu_specs import SpecCase, gpu_spec
 from .launch import launch
 
 # digits of the threshold decided per sweep of a row: 32/4 = 8 sweeps for fp32 keys, 16 for fp64
@@ -189,3 +190,10 @@ def select_keep_triton(scores: torch.Tensor, cfg: HermesConfig, out: torch.Tenso
            KEY_BITS=8 * scores.element_size(), RADIX_BITS=_RADIX_BITS, NUM_DIGITS=2 ** _RADIX_BITS,
            WRITE_DEST=with_destination, BLOCK_V=block_v, num_warps=8)
     return (out, dest_out) if with_destination else out
+
+
+@gpu_spec(_select_keep_kernel, max_spill_bytes=0)
+def _gpu_spec(case: SpecCase) -> None:
+    """The step's selection launch (keep only), and the variant that also writes the destination map."""
+    select_keep_triton(case.scores(), case.cfg)
+    select_keep_triton(case.scores(), case.cfg, with_destination=True)

@@ -1,0 +1,444 @@
+"""`python -m bench.kernels`: every Triton kernel built for sm_80 and sm_90 without a GPU, and what it costs there.
+
+1. Record: every spec of `hermes_kernels.gpu_specs` drives its launcher at every `spec_cases()` case (the two 7B
+   shapes of bench/shapes.py, each cache dtype, both budgets, every re-index trigger, head dims 64/128/256, 1D and
+   M-RoPE, one and two streams) inside `launch.recording()`, on meta tensors laid out as the streaming cache lays
+   them out.
+2. Specialise each recorded launch for a target exactly as `JITFunction.run` does (Triton's own binder: pointer and
+   integer alignment, stride-1 and other constexpr specialisation); tensor addresses are those of a fresh
+   allocation plus the view's offset. Identical (kernel, signature, constexprs, attributes, options) compile once.
+3. Compile each for sm_80 and sm_90 (PTX, then ptxas: the wheel's ptxas), in parallel worker processes; results
+   are cached by Triton's own compile key under Triton's cache dir, so an unchanged kernel is not rebuilt.
+4. Report per kernel x target x spec: registers/thread, spill bytes, shared memory, the occupancy that implies
+   (`SM_MODELS`), the launch grid at the case and how many waves it makes, and the global load/store mix of the
+   PTX by access width (16 B = ld/st.global.v4.b32 or .v2.b64; static instruction counts, not dynamic).
+
+Checks (`--check`, tests/test_compile.py): a compile error, spill stores above the spec's `max_spill_bytes`, shared
+memory above the target's per-block limit, a kernel of the package that no spec launches, or a spec that does not
+launch a kernel it names, each fails.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib
+import io
+import json
+import math
+import multiprocessing
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from triton import knobs
+from triton._C.libtriton import get_cache_invalidating_env_vars
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile, make_backend
+from triton.runtime.cache import get_cache_key
+from triton.runtime.jit import create_function_from_signature
+
+from hermes_kernels import gpu_specs
+from hermes_kernels.launch import recording
+
+from .shapes import BUDGETS, CHUNK_FRAMES, SHAPES, TOKENS_PER_FRAME, ModelShape
+from .stages import GUIDANCE_GLOBAL, GUIDANCE_MIXED
+
+# Bumped when what a worker extracts from a compile changes, so cached results are recomputed.
+_ANALYSIS_VERSION = 2
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_ROOM = 512  # the stream's default room past prefix + budget + chunk (hermes/stream.py)
+# A fresh CUDA allocation is at least 256-byte aligned; a recorded view's address is this plus its offset.
+_BASE_ADDRESS = 1 << 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SMModel:
+    """Per-SM resources the occupancy is computed from (CUDA programming guide, compute capability tables)."""
+
+    name: str
+    regs: int            # 32-bit registers per SM
+    threads: int         # resident threads per SM
+    smem: int            # shared memory per SM usable by blocks, bytes
+    smem_per_block: int  # largest shared memory one block may use (opt-in), bytes
+    blocks: int          # resident blocks per SM
+    sms: int             # SMs on the device, for waves
+
+
+# sm_90: H100 SXM / H200 (132 SMs): 64K regs, 2048 threads, 228 KB smem (227 KB per block), 32 blocks per SM.
+# sm_80: A100 (108 SMs): 64K regs, 2048 threads, 164 KB smem (163 KB per block), 32 blocks per SM.
+SM_MODELS = {
+    90: SMModel("H100/H200", 65536, 2048, 228 * 1024, 227 * 1024, 32, 132),
+    80: SMModel("A100", 65536, 2048, 164 * 1024, 163 * 1024, 32, 108),
+}
+_REG_UNIT = 256          # registers are allocated per warp in units of 256
+_SMEM_UNIT = 128         # shared memory allocation unit, bytes
+_SMEM_RESERVED = 1024    # shared memory the runtime reserves per block (sm_80 and later), bytes
+
+
+def occupancy(regs: int, smem: int, num_warps: int, sm: SMModel) -> tuple[int, str]:
+    """(resident blocks per SM, the limiting resource) for a kernel of `num_warps` warps using `regs` registers
+    per thread and `smem` bytes of shared memory per block (the CUDA occupancy calculator's rules)."""
+    regs_per_warp = math.ceil(max(regs, 1) * 32 / _REG_UNIT) * _REG_UNIT
+    smem_per_block = math.ceil(smem / _SMEM_UNIT) * _SMEM_UNIT + _SMEM_RESERVED
+    limits = {"regs": sm.regs // (regs_per_warp * num_warps), "threads": sm.threads // (32 * num_warps),
+              "smem": sm.smem // smem_per_block, "blocks": sm.blocks}
+    limiter = min(limits, key=limits.get)
+    return limits[limiter], limiter
+
+
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTX_GLOBAL = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st)\.global((?:\.[\w:]+)*)\s", re.MULTILINE)
+# cp.async.cg.shared.global [dst], [src], SIZE: SIZE bytes from global to shared per thread
+_PTX_CP_ASYNC = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)*"
+                           r"\s+\[[^]]*\],\s*\[[^]]*\],\s*(\w+)", re.MULTILINE)
+
+
+def parse_ptxas_log(log: str) -> dict[str, int]:
+    """registers, stack, spill_stores, spill_loads (bytes) from `ptxas -v` output of one kernel."""
+    regs = _PTXAS_REGS.search(log)
+    spills = _PTXAS_SPILLS.search(log)
+    if regs is None or spills is None:
+        raise ValueError(f"log: no register/spill line in the ptxas output:\n{log}")
+    stack, stores, loads = (int(x) for x in spills.groups())
+    return {"registers": int(regs.group(1)), "stack": stack, "spill_stores": stores, "spill_loads": loads}
+
+
+def global_access_mix(ptx: str) -> dict[str, dict[int, int]]:
+    """Static counts of the global-memory instructions in PTX by bytes per thread per instruction:
+    {"ld": {16: n, 8: n, ...}, "cp": {...}, "st": {...}} for ld.global, cp.async (global -> shared, what Triton's
+    pipeliner makes of loads feeding a dot) and st.global; 16 bytes is the widest (v4 of 32-bit, v2 of 64-bit)."""
+    mix: dict[str, dict[int, int]] = {"ld": {}, "cp": {}, "st": {}}
+    for op, suffix in _PTX_GLOBAL.findall(ptx):
+        vector = re.search(r"\.v(\d)", suffix)
+        bits = re.findall(r"\.[bfsu](\d+)", suffix)
+        if not bits:
+            raise ValueError(f"ptx: cannot read the width of {op}.global{suffix}")
+        width = (int(vector.group(1)) if vector else 1) * int(bits[-1]) // 8
+        mix[op][width] = mix[op].get(width, 0) + 1
+    for size in _PTX_CP_ASYNC.findall(ptx):
+        width = int(size, 0)
+        mix["cp"][width] = mix["cp"].get(width, 0) + 1
+    return mix
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cases and recording
+# ----------------------------------------------------------------------------------------------------------------
+
+def _with_head_dim(shape: ModelShape, head_dim: int) -> ModelShape:
+    """The shape with another head dim (M-RoPE sections scaled with it): the D = 64 / 256 variants."""
+    section = None
+    if shape.mrope_section is not None:
+        section = tuple(s * head_dim // shape.head_dim for s in shape.mrope_section)
+    return dataclasses.replace(shape, name=f"{shape.name}[D={head_dim}]", head_dim=head_dim, mrope_section=section)
+
+
+def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int = 1) -> gpu_specs.SpecCase:
+    cfg = shape.config(budget, reindex="eager" if reindex == "given" else reindex)
+    chunk = CHUNK_FRAMES * TOKENS_PER_FRAME
+    label = f"{shape.name} {dtype} b{budget} {reindex}" + (f" B={batch}" if batch > 1 else "")
+    return gpu_specs.SpecCase(label=label, num_layers=shape.num_layers, num_heads=shape.num_heads,
+                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mrope_section=shape.mrope_section,
+                    dtype=_DTYPES[dtype], cfg=cfg, chunk_tokens=chunk, capacity=cfg.prefix_len + budget + chunk + _ROOM,
+                    guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
+
+
+def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None,
+               streams: list[int] | None = None) -> list[gpu_specs.SpecCase]:
+    """The cases every spec is driven at (16-frame chunks, the stream's default room, one stream unless said):
+    the 7B shapes (LLaVA-OV 1D, Qwen2.5-VL M-RoPE) x fp16/bf16/fp32 x budgets 6000/4000 x re-index
+    lazy/eager/given; head dims 64 and 256 (LLaVA-OV-0.5B, and the 7B shapes at D = 64 / 256) x each dtype at
+    budget 6000, lazy; the 7B shapes with two streams (fp16, 6000, lazy: B = 1 is specialised as a constant, so
+    B > 1 compiles apart). `models` / `dtypes` / `streams` keep only those model names (as labelled) / dtypes /
+    stream counts."""
+    seven = [SHAPES["llava-ov-7b"], SHAPES["qwen2.5-vl-7b"]]
+    dims = [SHAPES["llava-ov-0.5b"], _with_head_dim(seven[1], 64), _with_head_dim(seven[0], 256),
+            _with_head_dim(seven[1], 256)]
+    budgets = sorted(BUDGETS, reverse=True)  # DESIGN.md §4's 6K first: it names the rows of the table
+    cases = []
+    for dtype in dtypes or list(_DTYPES):
+        cases += [_case(s, dtype, b, r) for s in seven for b in budgets for r in ("lazy", "eager", "given")]
+        cases += [_case(s, dtype, budgets[0], "lazy") for s in dims]
+        if dtype == "fp16":
+            cases += [_case(s, dtype, budgets[0], "lazy", batch=2) for s in seven]
+    return [c for c in cases if (models is None or c.label.split()[0] in models)
+            and (streams is None or c.batch in streams)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """One launch a spec's driver made at one case."""
+
+    spec: str
+    case: str
+    kernel: str
+    grid: tuple[int, ...]
+    launch: object  # hermes_kernels.launch.Launch
+
+
+def record(cases) -> tuple[list[Recorded], list[str]]:
+    """Every registered spec driven at every case; returns the launches and the coverage problems (kernels of
+    the package no spec launches, specs that never launch a kernel they name, launches of unnamed kernels, drivers
+    that raise: on meta tensors, a launcher that reads device data on the host does)."""
+    recorded, problems = [], []
+    specs = gpu_specs.registered_specs()
+    for spec in specs:
+        named = {gpu_specs.kernel_name(k) for k in spec.kernels}
+        seen = set()
+        for case in cases:
+            with recording() as launches:
+                try:
+                    spec.drive(case)
+                except Exception as exc:  # e.g. a launcher that reads device data: a finding, not a crash
+                    problems.append(f"{spec.name} at {case.label}: the driver raised {type(exc).__name__}: {exc}")
+                    continue
+            for item in launches:
+                name = gpu_specs.kernel_name(item.kernel)
+                if name not in named:
+                    problems.append(f"{spec.name} launches {name}, which it does not name")
+                seen.add(name)
+                recorded.append(Recorded(spec.name, case.label, name, item.grid, item))
+        problems += [f"{spec.name} names {name} but never launches it" for name in sorted(named - seen)]
+    specified = {gpu_specs.kernel_name(k) for spec in specs for k in spec.kernels}
+    problems += [f"{name} has no compile spec (register one with hermes_kernels.gpu_specs.gpu_spec)"
+                 for name in sorted(set(gpu_specs.jit_kernels()) - specified)]
+    return recorded, problems
+
+
+class _Address:
+    """What Triton's specialiser reads of a tensor argument: its dtype and address."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.dtype = tensor.dtype
+        self._address = _BASE_ADDRESS + tensor.storage_offset() * tensor.element_size()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One compile: a kernel specialised for a target, and its cache key."""
+
+    kernel: str
+    arch: int
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    key: str
+
+
+@functools.lru_cache(maxsize=None)
+def _binder(kernel, arch: int):
+    """(backend, binder) for a kernel on sm_`arch`: Triton's own argument specialiser, as `JITFunction.run` uses."""
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
+
+
+def specialise(item: Recorded, arch: int) -> Job:
+    """The compile `JITFunction.run` would make for this launch on an sm_`arch` device."""
+    kernel, launch = item.launch.kernel, item.launch
+    backend, binder = _binder(kernel, arch)
+    args = [_Address(a) if isinstance(a, torch.Tensor) else a for a in launch.args]
+    bound, specialization, options = binder(*args, **launch.meta)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, dict(launch.meta), bound, specialization,
+                                                              options)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    key = get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
+    digest = hashlib.sha256(f"{_ANALYSIS_VERSION}-{key}".encode()).hexdigest()
+    return Job(item.kernel, arch, signature, constexprs, attrs, dict(options.__dict__), digest)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compiling (worker processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _cache_dir() -> Path:
+    return Path(knobs.cache.dir) / "hermes-gpu-guard"
+
+
+def _cached(job: Job) -> dict | None:
+    path = _cache_dir() / f"{job.key}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def compile_job(job: Job) -> dict:
+    """Compile one job (or read its cached result): registers, spills, shared memory, PTX access mix, seconds;
+    a compile error comes back as {"error": message}."""
+    cached = _cached(job)
+    if cached is not None:
+        return cached
+    module, name = job.kernel.rsplit(".", 1)
+    kernel = getattr(importlib.import_module(module), name)
+    knobs.nvidia.dump_ptxas_log = True        # the log of the ptxas run that makes the cubin
+    knobs.compilation.always_compile = True   # a Triton cache hit would skip ptxas and its log
+    log = io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(log), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+            compiled = triton_compile(ASTSource(kernel, job.signature, job.constexprs, job.attrs),
+                                      target=GPUTarget("cuda", job.arch, 32), options=job.options)
+    except Exception as exc:  # every compile failure is a finding to report, not a crash of the guard
+        return {"error": f"{type(exc).__name__}: {exc}"[:4000]}
+    result = parse_ptxas_log(log.getvalue())
+    result.update(shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+                  mix=global_access_mix(compiled.asm["ptx"]), seconds=round(time.perf_counter() - start, 2))
+    text = json.dumps(result)
+    path = _cache_dir() / f"{job.key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return json.loads(text)  # as a cached result reads back (access widths as strings)
+
+
+def _compile_all(jobs: list[Job], workers: int) -> dict[str, dict]:
+    """Results by job key; the jobs run in `workers` spawned processes (Triton's compiler holds global state)."""
+    unique = {job.key: job for job in jobs}
+    results = {key: _cached(job) for key, job in unique.items()}
+    missing = [job for key, job in unique.items() if results[key] is None]
+    if workers <= 1 or len(missing) <= 1:
+        results.update((job.key, compile_job(job)) for job in missing)
+        return results
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(missing)), mp_context=context) as pool:
+        futures = {job.key: pool.submit(compile_job, job) for job in missing}
+        results.update((key, future.result()) for key, future in futures.items())
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------------------
+
+def _spec_text(job: Job) -> str:
+    """The parts of a specialisation that tell specs of one kernel apart: constexprs by name, pointer dtypes."""
+    names = list(job.signature)
+    consts = [f"{names[k[0]]}={v}" for k, v in job.constexprs.items()
+              if names[k[0]].isupper() and len(k) == 1]
+    pointers = sorted({t[1:] for t in job.signature.values() if isinstance(t, str) and t.startswith("*")})
+    return " ".join(consts + ["/".join(pointers)])
+
+
+def _width_text(counts: dict) -> str:
+    counts = {int(k): v for k, v in counts.items()}
+    return " ".join(f"{w}B:{counts[w]}" for w in sorted(counts, reverse=True)) or "-"
+
+
+def build_rows(recorded: list[Recorded], archs: list[int], workers: int) -> list[dict]:
+    """One row per kernel x target x distinct compile, with the cases that produce it."""
+    bounds = {gpu_specs.kernel_name(k): s.max_spill_bytes for s in gpu_specs.registered_specs() for k in s.kernels}
+    jobs = [(item, specialise(item, arch)) for arch in archs for item in recorded]
+    results = _compile_all([job for _, job in jobs], workers)
+    rows: dict[str, dict] = {}
+    for item, job in jobs:
+        row = rows.get(job.key)
+        if row is None:
+            sm = SM_MODELS[job.arch]
+            row = rows[job.key] = dict(kernel=item.kernel.rsplit(".", 1)[1], module=item.kernel.rsplit(".", 1)[0],
+                                       target=f"sm_{job.arch}", gpu=sm.name, spec=_spec_text(job), cases=[],
+                                       grid=list(item.grid), max_spill_bytes=bounds[item.kernel],
+                                       smem_limit=sm.smem_per_block, **results[job.key])
+            if "error" not in row:
+                blocks, limiter = occupancy(row["registers"], row["shared"], row["num_warps"], sm)
+                programs = math.prod(item.grid)
+                row.update(blocks_per_sm=blocks, limiter=limiter,
+                           occupancy=blocks * row["num_warps"] * 32 / sm.threads,
+                           waves=programs / (max(blocks, 1) * sm.sms))
+        row["cases"].append(item.case)
+    return list(rows.values())
+
+
+def violations(rows: list[dict]) -> list[str]:
+    """The checks: compile errors, spills above the spec's bound, shared memory above the per-block limit."""
+    found = []
+    for row in rows:
+        where = f"{row['kernel']} {row['target']} [{row['spec']}] (e.g. {row['cases'][0]})"
+        if "error" in row:
+            found.append(f"{where}: does not compile: {row['error']}")
+            continue
+        if row["spill_stores"] > row["max_spill_bytes"]:
+            found.append(f"{where}: {row['spill_stores']} bytes of spill stores, bound {row['max_spill_bytes']}")
+        if row["shared"] > row["smem_limit"]:
+            found.append(f"{where}: {row['shared']} bytes of shared memory, {row['gpu']} allows "
+                         f"{row['smem_limit']} per block")
+    return found
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["kernel", "target", "spec", "cases", "warps", "regs", "spill st/ld", "smem", "blk/SM", "occ",
+              "grid@case", "waves", "ld.global", "cp.async", "st.global"]
+    lines = [header]
+    # stable: within a kernel and target, rows stay in the order of their first case
+    for row in sorted(rows, key=lambda r: (r["module"], r["kernel"], r["target"])):
+        first = row["cases"][0] + (f" +{len(row['cases']) - 1}" if len(row["cases"]) > 1 else "")
+        if "error" in row:
+            lines.append([row["kernel"], row["target"], row["spec"], first, "COMPILE ERROR"] + [""] * 10)
+            continue
+        lines.append([row["kernel"], row["target"], row["spec"], first, str(row["num_warps"]),
+                      str(row["registers"]), f"{row['spill_stores']}/{row['spill_loads']}", str(row["shared"]),
+                      f"{row['blocks_per_sm']} ({row['limiter']})", f"{row['occupancy']:.0%}",
+                      "x".join(map(str, row["grid"])), f"{row['waves']:.2f}", _width_text(row["mix"]["ld"]),
+                      _width_text(row["mix"]["cp"]), _width_text(row["mix"]["st"])])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(" | ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--targets", nargs="+", type=int, default=[80, 90], choices=sorted(SM_MODELS),
+                   help="compute capabilities to compile for (default 80 90)")
+    p.add_argument("--models", nargs="+", help="only the cases of these model labels, e.g. llava-ov-7b "
+                   "qwen2.5-vl-7b 'llava-ov-7b[D=256]' (default: all)")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(_DTYPES), help="only these cache dtypes (default: all)")
+    p.add_argument("--streams", nargs="+", type=int, choices=[1, 2], help="only cases with these stream counts")
+    p.add_argument("--kernels", nargs="+", help="only these kernels, by function name (default: all)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: CPUs)")
+    p.add_argument("--json", type=Path, help="also write the rows and problems to this JSON file")
+    p.add_argument("--check", action="store_true", help="exit 1 on any problem (compile error, spills over the "
+                   "bound, shared memory over the limit, a kernel without spec)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("bench.kernels: TRITON_INTERPRET is set; the compile guard needs the compiler (unset it)",
+              file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # the guard compiles with the default
+    start = time.perf_counter()
+    recorded, coverage = record(spec_cases(args.models, args.dtypes, args.streams))
+    if args.kernels:
+        recorded = [r for r in recorded if r.kernel.rsplit(".", 1)[1] in args.kernels]
+    rows = build_rows(recorded, args.targets, args.jobs)
+    found = violations(rows)
+    problems = coverage + found
+    seconds = time.perf_counter() - start
+    print(format_table(rows))
+    print(f"\n{len(rows)} compiles ({len(recorded)} recorded launches) in {seconds:.1f} s; occupancy per SM: "
+          + "; ".join(f"sm_{a} = {m.name}: {m.regs // 1024}K regs, {m.threads} threads, {m.smem // 1024} KB smem "
+                      f"({m.smem_per_block // 1024} KB/block), {m.blocks} blocks, {m.sms} SMs"
+                      for a, m in SM_MODELS.items() if a in args.targets))
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    if args.json:
+        report = {"kernels": sorted(gpu_specs.jit_kernels()), "targets": [f"sm_{a}" for a in args.targets],
+                  "rows": rows, "coverage": coverage, "violations": found, "seconds": seconds}
+        args.json.write_text(json.dumps(report, indent=1))
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
