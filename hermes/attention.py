@@ -16,7 +16,9 @@ hands it `attention_mask=None` and it applies causality itself. For every layer 
     precision, sdpa elsewhere, with a bottom-right causal mask when queries follow cached keys and the
     padding slots of a ragged question batch hidden (`HermesCache.hidden_keys`; sdpa then).
 
-Calls whose keys do not come from a `HermesCache` (no cache, a `DynamicCache`) go straight to (c).
+Calls whose keys do not come from a policy cache (no cache, a `DynamicCache`) go straight to (c). Keys from
+another policy's cache (`hermes.h2svc.cache.H2SVCCache`: per-class blocks) go to that cache's own `attend`,
+which reuses (c) once per class block.
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ def hermes_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if claimed is None:
         return _model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     cache, layer = claimed
+    if not isinstance(cache, HermesCache):
+        return cache.attend(module, layer, query, dropout=dropout, scaling=scaling, **kwargs)
     start = key.shape[2] - query.shape[2]
     delta = cache.incoming_delta(layer).unsqueeze(1)  # [b, 1, T] or [b, 1, 3, T]: broadcast over heads
     inv_freq = cache.layer_inv_freq(layer)
