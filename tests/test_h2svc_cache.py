@@ -7,6 +7,7 @@ import torch
 from hermes.h2svc import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes.h2svc.attention import frame_window_mask
 from hermes.h2svc.cache import H2SVCCache
+from tests.conftest import DEVICE
 from tests.utils import inv_freq_for, same_bytes
 
 MAP = [[INSTANT, EPISODIC, SHORT], [SHORT, SHORT, EPISODIC], [EPISODIC, INSTANT, EPISODIC], [SHORT, EPISODIC, SHORT]]
@@ -135,3 +136,59 @@ def test_bad_construction_arguments():
             H2SVCCache(cfg, **{**args, **change})
     with pytest.raises(TypeError, match="cfg"):
         H2SVCCache(None, **args)
+
+
+def drive(device: str, dtype: torch.dtype, mrope: bool, backend: str, check_syncs: bool) -> list[torch.Tensor]:
+    """A cache on `device` driven the way a model drives it: the prefix, three 2-frame chunks (each layer's update
+    then its per-class attention, then the step: FIFO windows cut through the chunks, STCE evicts, eager
+    re-indexing rotates every retained key) and a read-only question. Inputs are drawn on the device first; with
+    `check_syncs` the whole run is under torch's CUDA sync debug mode "error". Returns the attention outputs."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    cfg = H2SVCConfig(num_layers=4, num_kv_heads=3, prefix_len=P, tokens_per_frame=T_F, head_map=MAP,
+                      instant_frames=1, short_frames=2, episodic_frames=3, max_positions=512, margin=64,
+                      reindex="eager")
+    cache = H2SVCCache(cfg, batch_size=2, num_heads=6, head_dim=D, chunk_frames=2, room=5, dtype=dtype,
+                       inv_freq=inv_freq_for(D, device=device), mrope_section=[1, 1, 2] if mrope else None)
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    rel = torch.arange(2 * T_F, device=device)
+    rel = torch.stack([rel // T_F, rel % 2, rel % T_F // 2]) if mrope else rel
+    plan = [(P, {})] + [(2 * T_F, dict(rel_positions=rel, frames=2, extent=int(rel.max())))] * 3 + \
+        [(3, dict(read_only=True))]
+    inputs = [[[torch.randn(2, heads, count, D, device=device, dtype=dtype) for heads in (3, 3, 6)]
+               for _ in range(4)] for count, _ in plan]
+    outputs = []
+    if check_syncs:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for (count, context), layers in zip(plan, inputs):
+            with cache.forward_context(**context):
+                for layer, (k, v, q) in enumerate(layers):
+                    cache.update(k, v, layer)
+                    outputs.append(cache.attend(module, layer, q, scaling=D ** -0.5)[0])
+            if "frames" in context:
+                cache.step(backend=backend)
+    finally:
+        if check_syncs:
+            torch.cuda.set_sync_debug_mode("default")
+    assert cache.held == {"instant": 1, "short": 2, "episodic": 3} and cache.stats()["compactions"] == 3
+    return outputs
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
+def test_a_driven_cache_gives_finite_attention(mrope):
+    """The driver of the CUDA check below, on CPU: every attention output of every forward is finite."""
+    assert all(bool(torch.isfinite(out).all()) for out in drive("cpu", torch.float32, mrope, "torch", False))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter: CPU tensors never wait")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
+def test_no_host_sync_on_cuda(mrope, backend):
+    """Forwards (positions, rotation, class masks, per-class sdpa) and steps of a CUDA cache never wait for the
+    device: sync debug mode "error" after a warm-up run that compiles the kernels (for bench/gpu_check.sh)."""
+    drive(DEVICE, torch.float16, mrope, backend, check_syncs=False)
+    outputs = drive(DEVICE, torch.float16, mrope, backend, check_syncs=True)
+    assert all(bool(torch.isfinite(out).all()) for out in outputs)

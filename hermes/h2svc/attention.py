@@ -41,8 +41,8 @@ def frame_window_mask(held_frames: torch.Tensor, prefix_len: int, tokens_per_fra
     T_f, F, P = tokens_per_frame, num_frames, prefix_len
     held = held_frames.numel()
     chunk = first_frame + torch.arange(F, device=device)
-    key_frame = torch.cat([held_frames, chunk]).repeat_interleave(T_f)              # [N - P]
-    query_frame = chunk.repeat_interleave(T_f)                                       # [T]
+    key_frame = torch.cat([held_frames, chunk])[:, None].expand(-1, T_f).reshape(-1)  # [N - P], T_f per frame
+    query_frame = key_frame[held * T_f:]                                               # [T]
     key_slot = torch.arange(key_frame.numel(), device=device)
     query_slot = held * T_f + torch.arange(F * T_f, device=device)
     visual = (key_frame[None, :] > (query_frame - window)[:, None]) & (key_slot[None, :] <= query_slot[:, None])
