@@ -163,7 +163,7 @@ class HermesStream:
         frame_size:   (height, width) of the processed frames (Qwen2.5-VL: sizes the chunks and H2SVC's frames).
         system_prompt: text of the system turn in the prefix (default: the family's).
         backend:      "auto" | "triton" | "torch": hermes_kernels backend of the policy's kernels (HERMES: the
-                      guidance pooled attention and the compression step).
+                      guidance pooled attention and the compression step; H2SVC: the class-block step).
         policy_args:  the policy's own arguments; HERMES: budget (default 6000), reindex, config, fused_guidance
                       and preset overrides (see `HermesPolicy`); H2SVC: head_map, tokens_per_frame, reindex and
                       window / ratio overrides (see `H2SVCPolicy`).

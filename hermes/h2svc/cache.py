@@ -166,7 +166,6 @@ class H2SVCCache(StreamCacheBase):
         self.head_dim = head_dim
         self.dtype = dtype
         self.chunk_frames = chunk_frames
-        self.room_slots = room
         self.capacities = tuple(class_capacity(cfg, c, chunk_frames, room) for c in CLASSES)
         self._init_stream(cfg.num_layers, batch_size, mrope_section)
         self.classes = tuple(c for c in CLASSES if cfg.num_rows(c))  # the non-empty classes
