@@ -4,7 +4,7 @@ The registered "hermes" attention function (`hermes.attention`) stays the one en
 come from an `H2SVCCache` it calls `cache.attend`, which lands here. For layer l and every class c with heads in
 l (`cache.layer_parts`): the query heads of c's KV heads (GQA groups) are gathered, rotated to their true
 positions like the keys were (`incoming_delta`), attend over the rows of c's block (prefix, held frames, the
-incoming tokens) in one call of the model's own attention (`hermes.attention._model_attention`: flash-attn when
+incoming tokens) in one call of the model's own attention (`hermes.attention.model_attention`: flash-attn when
 installed on CUDA half precision and the mask is plain causal, else sdpa), and the outputs go back in head order.
 
 Masks (memoised per forward, built on the device from host ints and device tensors: no host sync):
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hermes.attention import _causal_mask, _flash_usable, _model_attention, _padded_mask
+from hermes.attention import causal_mask, flash_usable, model_attention, padded_mask
 from hermes.rope import apply_rotary_delta
 
 from .config import EPISODIC
@@ -57,7 +57,7 @@ def _class_mask(cache, part, count: int, total: int, device: torch.device) -> to
     if hidden is not None:
         starts, pads = hidden
         return cache.forward_mask(("padded", cls, count, total), device,
-                                  lambda: _padded_mask((starts[cls], pads), count, total, device))
+                                  lambda: padded_mask((starts[cls], pads), count, total, device))
     fwd, cfg = cache.current_forward, cache.cfg
     window = cfg.window(cls)
     held = (fwd.starts[cls] - cfg.prefix_len) // cfg.tokens_per_frame  # a chunk goes right after the held frames
@@ -89,9 +89,9 @@ def class_attention(module: torch.nn.Module, cache, layer: int, query: torch.Ten
         values = block.values[part.rows, :, :total].transpose(0, 1)
         q = query if len(parts) == 1 else query[:, part.query_heads]
         mask = _class_mask(cache, part, T, total, query.device)
-        if mask is None and not _flash_usable(q) and 1 < T < total:
-            mask = cache.forward_mask(("causal", T, total), query.device, lambda: _causal_mask(T, total, query.device))
-        output, _ = _model_attention(module, q, keys, values, mask, dropout, scaling, **kwargs)  # [B, T, n·g, D]
+        if mask is None and not flash_usable(q) and 1 < T < total:
+            mask = cache.forward_mask(("causal", T, total), query.device, lambda: causal_mask(T, total, query.device))
+        output, _ = model_attention(module, q, keys, values, mask, dropout, scaling, **kwargs)  # [B, T, n·g, D]
         if out is None:
             return output, None
         out[:, :, part.query_heads] = output
