@@ -11,7 +11,7 @@ from bench.tiny_models import llava_pixels, qwen_pixels, tiny_tokenizer
 from hermes.attention import attention_implementation
 from hermes.h2svc import EPISODIC, INSTANT, SHORT
 from hermes.stream import HermesStream
-from tests.stream_checks import CASES, QUESTION, full_positions, reference_sequence  # noqa: F401 (re-exported)
+from tests.stream_checks import CASES, QUESTION, reference_sequence  # noqa: F401 (re-exported to the H2SVC tests)
 from tests.utils import poison_, same_bytes
 
 # every layer but the last mixes two classes (one KV head each, GQA groups of two query heads); the last is

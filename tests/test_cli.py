@@ -235,7 +235,8 @@ def direct_stream(loaded, path, family, **policy):
     qwen = family == "qwen2_5_vl"
     frame_size = smart_resize(HEIGHT, WIDTH, factor=4, min_pixels=TINY_QWEN_PIXELS[0],
                               max_pixels=TINY_QWEN_PIXELS[1]) if qwen else None
-    stream = HermesStream(model, processor, chunk_frames=4, frame_size=frame_size, **(policy or {"budget": RUN["budget"]}))
+    policy = policy or {"budget": RUN["budget"]}
+    stream = HermesStream(model, processor, chunk_frames=4, frame_size=frame_size, **policy)
     stats, answers = [], []
     for index in range(0, len(picked), 4):
         out = processor.video_processor(videos=[np.stack(picked[index:index + 4])], return_tensors="pt")

@@ -14,7 +14,8 @@ import hermes.attention
 import hermes.h2svc.policy
 import hermes_kernels as hk
 from bench.tiny_models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
-from hermes.h2svc import CLASS_NAMES, EPISODIC, INSTANT, SHORT, H2SVCConfig, HeadProfile, default_head_map, save_head_map
+from hermes.h2svc import (CLASS_NAMES, EPISODIC, INSTANT, SHORT, H2SVCConfig, HeadProfile, default_head_map,
+                          save_head_map)
 from hermes.h2svc.cache import H2SVCCache
 from hermes.stream import HermesStream
 from tests.h2svc_checks import (CASES, MIXED_MAP, QUESTION, assert_same_buffers, assert_unchanged, chunk, h2svc_stream,

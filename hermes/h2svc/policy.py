@@ -55,7 +55,8 @@ class H2SVCPolicy:
             if overrides or tokens_per_frame is not None:
                 raise TypeError("head_map: pass an H2SVCConfig alone, or a map with tokens_per_frame / overrides")
             config = head_map
-            expected = (num_layers, text_config.num_key_value_heads, prefix_len, frame_tokens or config.tokens_per_frame)
+            expected = (num_layers, text_config.num_key_value_heads, prefix_len,
+                        frame_tokens or config.tokens_per_frame)
             got = (config.num_layers, config.num_kv_heads, config.prefix_len, config.tokens_per_frame)
             if got != expected:
                 raise ValueError(f"head_map: the H2SVCConfig has (layers, KV heads, prefix_len, tokens_per_frame) = "

@@ -2,8 +2,8 @@
 
 A family turns a chunk of video into language-model input embeddings plus the positions of those tokens
 relative to where the chunk starts, names the language model and its rotary module, wraps questions in the
-model's chat format and picks the HERMES and H2SVC presets; it also turns decoded frames into that chunk's inputs through
-the checkpoint's processor (`prepare_frames`, `hermes.models.processing`). `family_of(model)` finds the
+model's chat format and picks the HERMES and H2SVC presets; it also turns decoded frames into that chunk's inputs
+through the checkpoint's processor (`prepare_frames`, `hermes.models.processing`). `family_of(model)` finds the
 family from `model.config.model_type`, `family_of_type` from the string.
 """
 from __future__ import annotations
