@@ -7,8 +7,9 @@ H2SVC stages (frame features, STCE, the step of all three class blocks). It meas
 run, and prints a table with the speed-up over `reference`, the achieved GB/s and the ratio to the memory floor
 (DESIGN.md §4; bandwidth measured with a copy in the same run), and one line per shape of cache bytes (H2SVC vs a
 dense 64-frame cache vs HERMES at budget 6000). Rows are appended to bench/results/<device>.csv and the HERMES
-step latencies plotted to bench/results/<device>.png. Then one end-to-end streaming step of a tiny model
-(bench/e2e.py).
+step latencies plotted to bench/results/<device>.png. Then the cache bytes of a 512 s stream at the 7B shapes
+(full vs HERMES vs H2SVC, bench/stream_memory.py) and one end-to-end streaming step of a tiny model, HERMES and
+H2SVC (bench/e2e.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 
 from hermes_kernels import native
 
-from . import e2e
+from . import e2e, stream_memory
 from .memory import peak_extra_bytes
 from .plot import plot_rows
 from .report import (Row, append_csv, commit_hash, device_kind, device_name, fill_floor_ratios, fill_speedups,
@@ -243,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {png}")
 
     errors = [f"{r.stage} {r.backend} {r.shape}: {r.status}" for r in rows if r.status.startswith("error")]
+    print()
+    print(stream_memory.report())
     if not args.no_e2e:
         print()
         try:

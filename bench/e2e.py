@@ -1,8 +1,11 @@
-"""End-to-end streaming step on a tiny random LLaVA-OneVision: our cache vs the straightforward way.
+"""End-to-end streaming step on a tiny random LLaVA-OneVision: our caches vs the straightforward way.
 
 One step = encode a chunk of frames, prefill it, run the guidance pass, compress to the budget.
 - ours: `hermes.stream.HermesStream.append_video` (preallocated cache, guidance pooled inside the attention
   function in one read-only forward, `hermes_kernels.compress_step` in place);
+- H2SVC beside it: `HermesStream(policy="h2svc")` on the same chunks (prefill with per-class attention and
+  frame-window masks, then `hermes_kernels.h2svc_step` on every class block; no guidance pass), with the default
+  (unprofiled, depth-order) head map and windows scaled so the episodic memory holds `budget` tokens;
 - baseline: what the released code does, written plainly: a `DynamicCache`, eager attention, three extra
   forwards (local, global, mixed prompts) with `output_attentions=True` whose [L][B, H, Q, N] probabilities are
   pooled per layer, then `hermes.reference.compress_step` on K/V stacked from the cache and written back.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch
 
@@ -30,10 +34,13 @@ class E2ESetting:
     budget: int
     warm_chunks: int      # chunks streamed before timing (the cache fills and the first steps run)
     timed_chunks: int
+    h2svc_windows: tuple[int, int, int]   # (W_s, W_w, N_e) frames; N_e frames hold `budget` tokens
 
 
-FULL = E2ESetting(num_layers=8, image_size=32, frames=8, budget=1024, warm_chunks=3, timed_chunks=6)
-QUICK = E2ESetting(num_layers=4, image_size=16, frames=4, budget=96, warm_chunks=2, timed_chunks=2)
+FULL = E2ESetting(num_layers=8, image_size=32, frames=8, budget=1024, warm_chunks=3, timed_chunks=6,
+                  h2svc_windows=(2, 4, 16))
+QUICK = E2ESetting(num_layers=4, image_size=16, frames=4, budget=96, warm_chunks=2, timed_chunks=2,
+                   h2svc_windows=(1, 2, 6))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +49,9 @@ class E2EResult:
     chunk_tokens: int
     hermes: Timing
     baseline: Timing
+    h2svc: Timing
+    cache_bytes: dict       # policy -> bytes_allocated of its cache (stats())
+    h2svc_class_bytes: dict  # class name -> bytes of H2SVC's class blocks
 
     @property
     def ratio(self) -> float:
@@ -138,7 +148,15 @@ def run(device: torch.device, quick: bool = False) -> E2EResult:
     baseline_timing = _time_stream(baseline.append_video, chunks, setting.warm_chunks)
     ours = HermesStream(model(), tokenizer, budget=setting.budget, chunk_frames=setting.frames)
     hermes_timing = _time_stream(ours.append_video, chunks, setting.warm_chunks)
-    return E2EResult(setting=setting, chunk_tokens=ours.chunk_tokens, hermes=hermes_timing, baseline=baseline_timing)
+    with warnings.catch_warnings():  # the default map is unprofiled, and says so; the report names it
+        warnings.simplefilter("ignore", UserWarning)
+        h2svc = HermesStream(model(), tokenizer, policy="h2svc", chunk_frames=setting.frames,
+                             **dict(zip(("instant_frames", "short_frames", "episodic_frames"), setting.h2svc_windows)))
+    h2svc_timing = _time_stream(h2svc.append_video, chunks, setting.warm_chunks)
+    return E2EResult(setting=setting, chunk_tokens=ours.chunk_tokens, hermes=hermes_timing, baseline=baseline_timing,
+                     h2svc=h2svc_timing, cache_bytes={"hermes": ours.stats()["bytes_allocated"],
+                                                      "h2svc": h2svc.stats()["bytes_allocated"]},
+                     h2svc_class_bytes=h2svc.stats()["bytes_per_class"])
 
 
 def report(result: E2EResult) -> str:
@@ -146,8 +164,16 @@ def report(result: E2EResult) -> str:
     lines = [f"end-to-end streaming step, tiny LLaVA-OV ({s.num_layers} layers, hidden 64, CPU): "
              f"{s.frames}-frame chunks of {result.chunk_tokens} tokens, budget {s.budget}, "
              f"median over {s.timed_chunks} chunks after {s.warm_chunks} warm-up chunks"]
-    for name, t in (("ours (HermesStream)", result.hermes),
-                    ("baseline (3 x output_attentions + reference)", result.baseline)):
-        lines.append(f"  {name:<46} {t.median:9.2f} ms  (p20 {t.p20:.2f}, p80 {t.p80:.2f})")
-    lines.append(f"  baseline / ours: {result.ratio:.2f}x")
+    w_s, w_w, n_e = s.h2svc_windows
+    for name, t, cache in (("ours (HermesStream)", result.hermes, result.cache_bytes["hermes"]),
+                           ("baseline (3 x output_attentions + reference)", result.baseline, None),
+                           (f"H2SVC (policy='h2svc', {w_s}/{w_w}/{n_e} frames)", result.h2svc,
+                            result.cache_bytes["h2svc"])):
+        size = "" if cache is None else f"  cache {cache / 2 ** 20:.2f} MiB"
+        lines.append(f"  {name:<46} {t.median:9.2f} ms  (p20 {t.p20:.2f}, p80 {t.p80:.2f}){size}")
+    lines.append(f"  baseline / ours: {result.ratio:.2f}x; H2SVC / HERMES per chunk: "
+                 f"{result.h2svc.median / result.hermes.median:.2f}x")
+    classes = ", ".join(f"{name} {size / 2 ** 20:.2f}" for name, size in result.h2svc_class_bytes.items())
+    lines.append(f"  H2SVC cache MiB per class (default unprofiled map; K, V, positions, slot frames, features): "
+                 f"{classes}; HERMES: K, V, positions and guidance scores at budget {s.budget}")
     return "\n".join(lines)

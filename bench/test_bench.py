@@ -17,7 +17,7 @@ import torch
 
 from hermes import reference
 
-from bench import cli, report, stages
+from bench import cli, report, stages, stream_memory
 from bench.shapes import SHAPES, SMOKE_SHAPES
 from bench.stages import STAGES, Spec, cache_bytes, floor_bytes, make_inputs, stage_backends, stage_policy
 
@@ -111,6 +111,26 @@ def test_h2svc_cache_bytes_at_llava_ov_7b():
     assert 0.60 < sizes["h2svc"][0] / sizes["dense 64-frame"][0] < 0.61
 
 
+def test_stream_memory_table_at_the_7b_shapes():
+    """512 s at 1 fps: LLaVA-OV keeps 512 frames, Qwen2.5-VL 256 grid steps; fp16 K+V, 112 heads of D = 128, 196
+    tokens a frame, P = 14; H2SVC reserves P + (W_c + F_max)·T_f + 512 slots per row (F_max 16 frames, Qwen 8)."""
+    per_token, heads = 2 * 128 * 2, 28 * 4
+    rows = {"instant": 11, "short": 45, "episodic": 56}
+    windows = {"instant": 4, "short": 16, "episodic": 64}
+    for name, frames, chunk in (("llava-ov-7b", 512, 16), ("qwen2.5-vl-7b", 256, 8)):
+        sizes = stream_memory.stream_bytes(name, 512, 1.0)
+        assert sizes["frames"] == frames
+        assert sizes["full"] == heads * (14 + frames * 196) * per_token
+        assert sizes["hermes"] == heads * (14 + 6000) * per_token
+        assert sizes["h2svc"] == sum(rows[c] * (14 + windows[c] * 196) for c in rows) * per_token
+        assert sizes["h2svc_allocated"] == sum(rows[c] * (14 + (windows[c] + chunk) * 196 + 512)
+                                               for c in rows) * per_token
+        assert sizes["hermes_allocated"] == heads * (14 + 6000 + chunk * 196 + 512) * per_token
+    assert stream_memory.stream_bytes("llava-ov-7b", 512, 0.5)["frames"] == 256
+    assert stream_memory.stream_bytes("qwen2.5-vl-7b", 512, 0.5)["frames"] == 128
+    assert "76.2 GB" in stream_memory.report()
+
+
 def test_h2svc_points_run_only_h2svc_stages_and_count_their_movers():
     """An H2SVC point measures the H2SVC stages only; its FIFO blocks move min(F, W) frames a row, the episodic
     block the arrivals STCE kept (between 1 and min(F, N_e) a row: the newest arrival always stays)."""
@@ -184,3 +204,5 @@ def test_quick_main_job_runs(tmp_path, capsys):
     assert (tmp_path / f"{report.device_kind(DEVICE)}.csv").stat().st_size > 0
     assert "step" in out and "copy bandwidth" in out
     assert "h2svc_step" in out and "cache K+V bytes" in out
+    assert "512 s stream" in out and "qwen2.5-vl-7b" in out
+    assert "H2SVC (policy='h2svc'" in out and "H2SVC cache MiB per class" in out

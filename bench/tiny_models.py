@@ -50,21 +50,27 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                    eos_token="<|im_end|>", additional_special_tokens=SPECIAL[2:])
 
 
-def _text_config(vocab_size: int, num_layers: int, max_positions: int, **extra) -> dict:
+def _text_config(vocab_size: int, num_layers: int, max_positions: int, num_heads: int = 4, num_kv_heads: int = 2,
+                 **extra) -> dict:
     return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
                 initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
 
 
 def tiny_llava_ov(seed: int = 0, num_layers: int = 4, max_positions: int = 4096, image_size: int = 16,
-                  patch_size: int = 2, dtype: torch.dtype = torch.float32) -> LlavaOnevisionForConditionalGeneration:
-    """LLaVA-OV with a 1-layer SigLIP tower: (image_size / patch_size / 2)^2 tokens per frame (16 by default)."""
+                  patch_size: int = 2, dtype: torch.dtype = torch.float32, num_heads: int = 4,
+                  num_kv_heads: int = 2) -> LlavaOnevisionForConditionalGeneration:
+    """LLaVA-OV with a 1-layer SigLIP tower: (image_size / patch_size / 2)^2 tokens per frame (16 by default).
+    Head dim 16 whatever the head counts (Qwen2 decoders take an explicit head_dim), e.g. num_heads=8,
+    num_kv_heads=4 for layers with more KV heads than two."""
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
+    heads = {} if (num_heads, num_kv_heads) == (4, 2) else dict(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                                                 head_dim=16)
     config = LlavaOnevisionConfig(
         vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=2, image_size=image_size, patch_size=patch_size),
-        text_config=dict(model_type="qwen2", **_text_config(len(tok), num_layers, max_positions)),
+        text_config=dict(model_type="qwen2", **_text_config(len(tok), num_layers, max_positions, **heads)),
         image_token_index=tok.convert_tokens_to_ids("<image>"), video_token_index=tok.convert_tokens_to_ids("<video>"),
         vision_feature_layer=-1, vision_feature_select_strategy="full")
     return LlavaOnevisionForConditionalGeneration(config).to(dtype).eval()

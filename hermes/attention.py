@@ -16,7 +16,9 @@ hands it `attention_mask=None` and it applies causality itself. For every layer 
     precision, sdpa elsewhere, with a bottom-right causal mask when queries follow cached keys and the
     padding slots of a ragged question batch hidden (`HermesCache.hidden_keys`; sdpa then).
 
-Calls whose keys do not come from a `HermesCache` (no cache, a `DynamicCache`) go straight to (c).
+Calls whose keys do not come from a policy cache (no cache, a `DynamicCache`) go straight to (c). Keys from
+another policy's cache (`hermes.h2svc.cache.H2SVCCache`: per-class blocks) go to that cache's own `attend`,
+which reuses (c) once per class block.
 """
 from __future__ import annotations
 
@@ -82,8 +84,10 @@ def hermes_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     [b, Hkv, N + T, D] as returned by `cache.update`. Returns (output [b, T, H, D], None)."""
     claimed = claim_update(key)
     if claimed is None:
-        return _model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     cache, layer = claimed
+    if not isinstance(cache, HermesCache):
+        return cache.attend(module, layer, query, dropout=dropout, scaling=scaling, **kwargs)
     start = key.shape[2] - query.shape[2]
     delta = cache.incoming_delta(layer).unsqueeze(1)  # [b, 1, T] or [b, 1, 3, T]: broadcast over heads
     inv_freq = cache.layer_inv_freq(layer)
@@ -102,44 +106,44 @@ def _cached_attention(module, cache: HermesCache, query, key, value, attention_m
     hidden = cache.hidden_keys()
     if attention_mask is None and hidden is not None:
         attention_mask = cache.forward_mask(("padded", count, total), query.device,
-                                            lambda: _padded_mask(hidden, count, total, query.device))
-    elif attention_mask is None and not _flash_usable(query) and 1 < count < total:
+                                            lambda: padded_mask(hidden, count, total, query.device))
+    elif attention_mask is None and not flash_usable(query) and 1 < count < total:
         attention_mask = cache.forward_mask(("causal", count, total), query.device,
-                                            lambda: _causal_mask(count, total, query.device))
-    return _model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+                                            lambda: causal_mask(count, total, query.device))
+    return model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
-def _flash_usable(query: torch.Tensor) -> bool:
+def flash_usable(query: torch.Tensor) -> bool:
     """flash-attn installed and the tensors are CUDA half precision."""
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and is_flash_attn_2_available()
 
 
-def _model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+def model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """(c): the model's own attention. Without a mask: flash-attn when usable (its causal mask is
     bottom-right aligned), else sdpa with an explicit bottom-right causal mask whenever the queries follow
     cached keys (sdpa's own `is_causal` is top-left aligned). With a mask: sdpa."""
-    if attention_mask is None and _flash_usable(query):
+    if attention_mask is None and flash_usable(query):
         kwargs.pop("position_ids", None)  # default positions are not packed-sequence markers
         return flash_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                        **kwargs)
     if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
-        attention_mask = _causal_mask(query.shape[2], key.shape[2], query.device)
+        attention_mask = causal_mask(query.shape[2], key.shape[2], query.device)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
 
-def _causal_mask(count: int, total: int, device: torch.device) -> torch.Tensor:
+def causal_mask(count: int, total: int, device: torch.device) -> torch.Tensor:
     """bool [1, 1, T, S]: query i (the last T of S tokens) sees keys j <= S - T + i (bottom-right aligned)."""
     rows = torch.arange(count, device=device)[:, None] + (total - count)
     return (torch.arange(total, device=device)[None, :] <= rows)[None, None]
 
 
-def _padded_mask(hidden: tuple[int, torch.Tensor], count: int, total: int, device: torch.device) -> torch.Tensor:
+def padded_mask(hidden: tuple[int, torch.Tensor], count: int, total: int, device: torch.device) -> torch.Tensor:
     """bool [b, 1, T, S]: bottom-right causal, and stream b never sees its padding slots [start, start + pads[b])."""
     start, pads = hidden
     slots = torch.arange(total, device=device)
     visible = (slots[None, :] < start) | (slots[None, :] >= start + pads.to(device)[:, None])
-    return _causal_mask(count, total, device) & visible[:, None, None, :]
+    return causal_mask(count, total, device) & visible[:, None, None, :]
 
 
 def _guidance_attention(module, cache: HermesCache, layer: int, query, key, value, start: int, attention_mask,
@@ -159,7 +163,7 @@ def _guidance_attention(module, cache: HermesCache, layer: int, query, key, valu
     if layer < state.last_layer:
         mask = cache.forward_mask(("guidance", base), query.device,
                                   lambda: _segment_mask(state.segments, base, prompts.shape[2], query.device))
-        outputs.append(_model_attention(module, prompts, key, value, mask, dropout, scaling, **kwargs)[0])
+        outputs.append(model_attention(module, prompts, key, value, mask, dropout, scaling, **kwargs)[0])
     elif stored:
         # no deeper layer reads the prompts: their rows only have to have the right shape
         b, heads, count, dim = prompts.shape

@@ -28,6 +28,12 @@ write below the length is the in-place compression (`compress`): it validates ev
 raises with the cache untouched); an exception escaping it after that (a device error, an out-of-memory, a
 KeyboardInterrupt in the middle of the moves) may leave the slots half rewritten. The cache then marks itself
 `undefined` and refuses every forward and step until `reset()`.
+
+Shared with the other policy caches (`StreamCacheBase`): the forward contexts (modes, the first forward's
+offsets and left padding, masks memoised per forward), the per-thread hand-off to the attention function
+(`claim_update`), `atomic()`, the per-layer views transformers expects, the lockstep restrictions and the
+geometry checks (`layer_runs`). A policy cache supplies its storage, positions, `update` and what `atomic()`
+must restore (`hermes.h2svc.cache` is the second one).
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from hermes.validation import check_stacks
 _HANDOFF = threading.local()
 
 
-def claim_update(key: torch.Tensor) -> tuple["HermesCache", int] | None:
+def claim_update(key: torch.Tensor) -> tuple["StreamCacheBase", int] | None:
     """The (cache, layer) whose `update` returned exactly `key`, consumed once; None for any other tensor.
 
     The model calls `cache.update` right before its attention function, on the same thread, and passes the
@@ -94,7 +100,7 @@ class _LayerView(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cache: "HermesCache", layer: int):
+    def __init__(self, cache: "StreamCacheBase", layer: int):
         super().__init__()
         self._cache = weakref.proxy(cache)
         self._layer = layer
@@ -122,7 +128,8 @@ class _LayerView(CacheLayerMixin):
     @keys.setter
     def keys(self, value) -> None:
         if value is not None:
-            raise AttributeError("HermesCache layers are views of the stacked buffer; write through update()")
+            raise AttributeError(f"{type(self._cache).__name__} layers are views of its buffers; write through "
+                                 "update()")
 
     @property
     def values(self) -> torch.Tensor:
@@ -131,10 +138,227 @@ class _LayerView(CacheLayerMixin):
     @values.setter
     def values(self, value) -> None:
         if value is not None:
-            raise AttributeError("HermesCache layers are views of the stacked buffer; write through update()")
+            raise AttributeError(f"{type(self._cache).__name__} layers are views of its buffers; write through "
+                                 "update()")
 
 
-class HermesCache(Cache):
+def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
+               mrope_section: Sequence[int] | None, layer_devices: Sequence[torch.device | str] | None,
+               stack_bounds: Sequence[int]) -> list[tuple[torch.device, int, int]]:
+    """Check a cache's geometry and split its layers into runs that share one buffer: (device, first, end) for
+    consecutive layers on one device, cut again at every `stack_bounds` entry. ValueError naming the argument.
+
+    layer_devices: the device of every layer (default: inv_freq's for all); stack_bounds: ascending layer indices
+    inside (0, L) where a new run starts although the device does not change (lays out a `device_map` split on
+    one device, e.g. for tests).
+    """
+    for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim: rotary embeddings need an even head dim, got {head_dim}")
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"inv_freq: expected a tensor of shape [D/2={head_dim // 2}], got "
+                         f"{getattr(inv_freq, 'shape', type(inv_freq).__name__)}")
+    if mrope_section is not None and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
+        raise ValueError(f"mrope_section: expected three pair counts summing to D/2={head_dim // 2}, "
+                         f"got {list(mrope_section)}")
+    devices = [torch.device(d) for d in (layer_devices or [inv_freq.device] * num_layers)]
+    if len(devices) != num_layers:
+        raise ValueError(f"layer_devices: expected one device per layer ({num_layers}), got {len(devices)}")
+    bounds = list(stack_bounds)
+    if any(not isinstance(b, int) or isinstance(b, bool) for b in bounds) or bounds != sorted(set(bounds)) or \
+            any(not 0 < b < num_layers for b in bounds):
+        raise ValueError(f"stack_bounds: expected ascending distinct layer indices inside (0, L={num_layers}), "
+                         f"got {bounds}")
+    runs, first = [], 0
+    while first < num_layers:
+        end = first + 1
+        while end < num_layers and devices[end] == devices[first] and end not in bounds:
+            end += 1
+        runs.append((devices[first], first, end))
+        first = end
+    return runs
+
+
+class StreamCacheBase(Cache):
+    """What every policy cache of the stream shares: a `transformers.Cache` the front drives the same way.
+
+    Subclasses hold the storage and positions and implement `length`, `capacity`, `room()` (tokens that still fit
+    past the length in every row), `update` (calling `_take_context` at layer 0 and `_hand_off` per layer),
+    `truncate`, `reset`, `stats`, `layer_keys` / `layer_values` (what `_LayerView` shows transformers),
+    `_hidden_start()` (where a left-padded forward's padding starts), `_counters()` / `_restore_counters()` (the
+    host state `atomic()` puts back; it must include `_steps`), `_home_device` (where the default positions
+    live) and, optionally, `_end_context()`.
+    """
+
+    def _init_stream(self, num_layers: int, batch_size: int, mrope_section: Sequence[int] | None) -> None:
+        """The shared fields (call first: the layer views hold only a weak proxy of the cache)."""
+        self.mrope_section = None if mrope_section is None else [int(s) for s in mrope_section]
+        self._batch_size = batch_size
+        self._steps = 0
+        self._compactions = 0
+        # set while an in-place step may have written below the length; only reset() clears it
+        self._undefined = False
+        self._context: dict | None = None
+        self._forward: _Forward | None = None
+        Cache.__init__(self, layers=[_LayerView(self, layer) for layer in range(num_layers)])
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def mrope(self) -> bool:
+        return self.mrope_section is not None
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    def default_position_ids(self, count: int, start: int | None = None) -> torch.Tensor:
+        """Positions the model is run with for `count` tokens from slot `start` (default: the length):
+        `start + i` on every axis, int64 [B, count] (1D) or [3, B, count] (M-RoPE). The attention function
+        rotates from these to the true positions."""
+        start = self.length if start is None else start
+        ids = torch.arange(start, start + count, device=self._home_device)
+        ids = ids.expand(self._batch_size, count)
+        return ids.expand(3, self._batch_size, count) if self.mrope else ids
+
+    # ---- forwards ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self, rel_positions: torch.Tensor | None = None, *, read_only: bool = False,
+                        keep: int | None = None,
+                        left_padding: torch.Tensor | None = None) -> Iterator["StreamCacheBase"]:
+        """Describe the next forward(s) through the model: one forward, or `model.generate`'s prefill and
+        decode steps.
+
+        rel_positions: int64 [T] / [3, T], or one row per stream [B, T] / [B, 3, T]: offsets of the FIRST
+            forward's tokens from the next position (largest position + 1); None means text, 0, 1, ..., T-1
+            on every axis. Later forwards (decode steps) are text after the largest position.
+        read_only:     attend over the cache plus the incoming tokens without keeping any (length unchanged).
+        keep:          keep only the first `keep` incoming tokens of each forward (a chunk carrying read-only
+                       guidance prompts, DESIGN.md §4); default all.
+        left_padding:  int64 [B]: padding tokens at the start of the FIRST forward, per stream (a question batch
+                       of uneven lengths); those slots stay hidden from every query in the context.
+        """
+        if read_only and keep is not None:
+            raise ValueError("keep: a read-only forward keeps nothing; pass read_only or keep, not both")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
+            raise ValueError(f"keep: expected a non-negative int, got {keep!r}")
+        if left_padding is not None and (not isinstance(left_padding, torch.Tensor) or left_padding.dtype !=
+                                         torch.int64 or tuple(left_padding.shape) != (self._batch_size,)):
+            raise ValueError(f"left_padding: expected int64 [B={self._batch_size}], got "
+                             f"{getattr(left_padding, 'shape', type(left_padding).__name__)}")
+        if self._context is not None:
+            raise RuntimeError(f"{type(self).__name__}.forward_context: contexts do not nest")
+        self._context = {"rel_positions": rel_positions, "keep": 0 if read_only else keep,
+                         "left_padding": left_padding, "hidden": None}
+        try:
+            yield self
+        finally:
+            self._context = None
+            self._forward = None
+            self._end_context()
+
+    def _end_context(self) -> None:
+        """Drop per-forward state when a context closes (hook)."""
+
+    def _take_context(self, count: int) -> tuple[torch.Tensor | None, int]:
+        """At layer 0 of a forward of `count` tokens: (rel_positions of this forward, tokens it stores). The first
+        forward of a context takes the context's offsets and padding (checked here; the padding slots are recorded
+        for `hidden_keys`); later forwards are text after it."""
+        context = self._context or {"rel_positions": None, "keep": None, "left_padding": None, "hidden": None}
+        rel, pads = context["rel_positions"], context["left_padding"]
+        context["rel_positions"] = context["left_padding"] = None
+        if pads is not None:
+            if int(pads.max()) >= count or int(pads.min()) < 0:
+                raise ValueError(f"left_padding: expected counts in [0, T={count}) (every stream keeps a token), "
+                                 f"got {pads.tolist()}")
+            context["hidden"] = (self._hidden_start(), pads.to(self._home_device))
+        keep = context["keep"]
+        return rel, count if keep is None else min(keep, count)
+
+    def _hand_off(self, layer: int, keys: torch.Tensor) -> None:
+        """Tie the tensor `update` returns for `layer` to this cache, for the attention function (`claim_update`)."""
+        _HANDOFF.last = (weakref.ref(self), layer, keys)
+
+    def stored_count(self) -> int:
+        """Tokens of the running forward that stay in the cache (its first ones); the rest are read-only."""
+        return self._forward.stored
+
+    def hidden_keys(self) -> tuple | None:
+        """Padding slots of the running context hidden from every query: (start, counts int64 [B]), stream b
+        hiding slots [start, start + counts[b]) (`start` as `_hidden_start` gives it); None when nothing is
+        hidden."""
+        return None if self._context is None else self._context["hidden"]
+
+    def forward_mask(self, key, device: torch.device, build) -> torch.Tensor:
+        """A mask memoised for the running forward (`build()` is called once per key and device)."""
+        slot = (key, str(device))
+        if slot not in self._forward.masks:
+            self._forward.masks[slot] = build()
+        return self._forward.masks[slot]
+
+    def crop(self, max_length: int) -> None:
+        """transformers' crop: keep `max_length` slots (negative: drop that many from the end)."""
+        self.truncate(self.length + max_length if max_length < 0 else min(max_length, self.length))
+
+    # ---- failures ----------------------------------------------------------------------------------------
+    @property
+    def undefined(self) -> bool:
+        """True after an exception escaped an in-place step that had begun writing: the slots may be half
+        rewritten, so every forward and step raises until `reset()`."""
+        return self._undefined
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator["StreamCacheBase"]:
+        """All or nothing: if the block raises (any BaseException, KeyboardInterrupt included) the cache is put
+        back as it was at entry. Forwards write only past the length and move it at their last layer, so the
+        host counters (`_counters()`) are the whole state to restore: the valid slots were never touched.
+
+        Not undone: a step that completed inside the block (its in-place moves cannot be reversed; the cache
+        then holds the stepped state and the exception propagates) or one that failed while writing
+        (`undefined`).
+        """
+        steps, saved = self._steps, self._counters()
+        try:
+            yield self
+        except BaseException:
+            if not self._undefined and self._steps == steps:
+                self._restore_counters(saved)
+            raise
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: streams are fixed in lockstep; beam search is not "
+                                  "supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: the batch of streams is fixed at construction")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: the batch of streams is fixed at construction")
+
+
+def prefill(language_model: torch.nn.Module, cache: StreamCacheBase, chunk, **context) -> None:
+    """Store a chunk (`hermes.models.VideoChunk`): one forward of its embeddings [B, T, hidden] at its relative
+    positions; `context`: the policy cache's own `forward_context` arguments (H2SVC: frames, extent)."""
+    with cache.forward_context(chunk.rel_positions, **context):
+        language_model(inputs_embeds=chunk.embeds, position_ids=cache.default_position_ids(chunk.embeds.shape[1]),
+                       cache=cache, use_cache=True)
+
+
+class HermesCache(StreamCacheBase):
     """Fixed-capacity KV cache with per-(layer, stream) positions and in-place HERMES compression.
 
     Args:
@@ -158,46 +382,24 @@ class HermesCache(Cache):
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
         if not isinstance(cfg, HermesConfig):
             raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
-        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("capacity", capacity)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if head_dim % 2:
-            raise ValueError(f"head_dim: rotary embeddings need an even head dim, got {head_dim}")
+        runs = layer_runs(cfg.num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          inv_freq=inv_freq, mrope_section=mrope_section, layer_devices=layer_devices,
+                          stack_bounds=stack_bounds)
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         if capacity <= cfg.prefix_len + cfg.budget:
             raise ValueError(f"capacity: {capacity} slots leave no room past prefix_len + budget = "
                              f"{cfg.prefix_len + cfg.budget} for a chunk or a question")
-        if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,):
-            raise ValueError(f"inv_freq: expected a tensor of shape [D/2={head_dim // 2}], got "
-                             f"{getattr(inv_freq, 'shape', type(inv_freq).__name__)}")
-        if mrope_section is not None and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
-            raise ValueError(f"mrope_section: expected three pair counts summing to D/2={head_dim // 2}, "
-                             f"got {list(mrope_section)}")
-        devices = [torch.device(d) for d in (layer_devices or [inv_freq.device] * cfg.num_layers)]
-        if len(devices) != cfg.num_layers:
-            raise ValueError(f"layer_devices: expected one device per layer ({cfg.num_layers}), got {len(devices)}")
-        bounds = list(stack_bounds)
-        if any(not isinstance(b, int) or isinstance(b, bool) for b in bounds) or bounds != sorted(set(bounds)) or \
-                any(not 0 < b < cfg.num_layers for b in bounds):
-            raise ValueError(f"stack_bounds: expected ascending distinct layer indices inside (0, L={cfg.num_layers}), "
-                             f"got {bounds}")
 
         self.cfg = cfg
         self.capacity = capacity
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.mrope_section = None if mrope_section is None else [int(s) for s in mrope_section]
-        self._batch_size = batch_size
-        self._stacks: list[_Stack] = []
+        self._init_stream(cfg.num_layers, batch_size, mrope_section)
+        self._stacks: list[_Stack] = [self._allocate(device, first, end - first, inv_freq)
+                                      for device, first, end in runs]
         self._stack_of_layer: list[tuple[_Stack, int]] = []
-        first = 0
-        while first < cfg.num_layers:
-            end = first + 1
-            while end < cfg.num_layers and devices[end] == devices[first] and end not in bounds:
-                end += 1
-            self._stacks.append(self._allocate(devices[first], first, end - first, inv_freq))
-            first = end
         for stack in self._stacks:
             self._stack_of_layer.extend((stack, local) for local in range(stack.keys.shape[0]))
         # pooled guidance attention of the running step, written by the attention function (§2.3)
@@ -206,13 +408,6 @@ class HermesCache(Cache):
         # a hermes.attention.GuidanceState while `hermes.guidance` runs a guidance pass, else None
         self.guidance = None
         self._length = 0
-        self._steps = 0
-        self._compactions = 0
-        # set while an in-place compression may have written below the length; only reset() clears it
-        self._undefined = False
-        self._context: dict | None = None
-        self._forward: _Forward | None = None
-        super().__init__(layers=[_LayerView(self, layer) for layer in range(cfg.num_layers)])
 
     def _allocate(self, device: torch.device, first: int, count: int, inv_freq: torch.Tensor) -> _Stack:
         kv_shape = (count, self._batch_size, self.num_kv_heads, self.capacity, self.head_dim)
@@ -233,26 +428,13 @@ class HermesCache(Cache):
     def num_layers(self) -> int:
         return self.cfg.num_layers
 
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
+    def room(self) -> int:
+        """Slots past the length: how many more tokens the next forwards may bring."""
+        return self.capacity - self._length
 
     @property
-    def mrope(self) -> bool:
-        return self.mrope_section is not None
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._length
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._length + query_length, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.capacity
+    def _home_device(self) -> torch.device:
+        return self._stacks[0].device
 
     def nbytes(self) -> int:
         """Bytes held by the preallocated buffers (keys, values, positions, guidance attention)."""
@@ -288,56 +470,17 @@ class HermesCache(Cache):
         highs = [s.positions[..., :self._length].max().item() for s in self._stacks]
         return int(min(lows)), int(max(highs))
 
-    def default_position_ids(self, count: int, start: int | None = None) -> torch.Tensor:
-        """Positions the model is run with for `count` tokens from slot `start` (default: the length):
-        `start + i` on every axis, int64 [B, count] (1D) or [3, B, count] (M-RoPE). The attention function
-        rotates from these to the true per-layer positions."""
-        start = self._length if start is None else start
-        ids = torch.arange(start, start + count, device=self._stacks[0].device)
-        ids = ids.expand(self._batch_size, count)
-        return ids.expand(3, self._batch_size, count) if self.mrope else ids
-
     # ---- writing ----------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def forward_context(self, rel_positions: torch.Tensor | None = None, *, read_only: bool = False,
-                        keep: int | None = None,
-                        left_padding: torch.Tensor | None = None) -> Iterator["HermesCache"]:
-        """Describe the next forward(s) through the model: one forward, or `model.generate`'s prefill and
-        decode steps.
+    def _end_context(self) -> None:
+        for stack in self._stacks:
+            stack.delta = None
 
-        rel_positions: int64 [T] / [3, T], or one row per stream [B, T] / [B, 3, T]: offsets of the FIRST
-            forward's tokens from each layer's next position (largest position + 1); None means text,
-            0, 1, ..., T-1 on every axis. Later forwards (decode steps) are text after the largest position.
-        read_only:     attend over the cache plus the incoming tokens without keeping any (length unchanged).
-        keep:          keep only the first `keep` incoming tokens of each forward (a chunk carrying read-only
-                       guidance prompts, DESIGN.md §4); default all.
-        left_padding:  int64 [B]: padding tokens at the start of the FIRST forward, per stream (a question batch
-                       of uneven lengths); those slots stay hidden from every query in the context.
-        """
-        if read_only and keep is not None:
-            raise ValueError("keep: a read-only forward keeps nothing; pass read_only or keep, not both")
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
-            raise ValueError(f"keep: expected a non-negative int, got {keep!r}")
-        if left_padding is not None and (not isinstance(left_padding, torch.Tensor) or left_padding.dtype !=
-                                         torch.int64 or tuple(left_padding.shape) != (self._batch_size,)):
-            raise ValueError(f"left_padding: expected int64 [B={self._batch_size}], got "
-                             f"{getattr(left_padding, 'shape', type(left_padding).__name__)}")
-        if self._context is not None:
-            raise RuntimeError("HermesCache.forward_context: contexts do not nest")
-        self._context = {"rel_positions": rel_positions, "keep": 0 if read_only else keep,
-                         "left_padding": left_padding, "hidden": None}
-        try:
-            yield self
-        finally:
-            self._context = None
-            self._forward = None
-            for stack in self._stacks:
-                stack.delta = None
+    def _hidden_start(self) -> int:
+        return self._length
 
     def _begin_forward(self, key_states: torch.Tensor) -> _Forward:
         if self._undefined:
             raise RuntimeError("HermesCache: a failed compression step left the cache undefined; call reset()")
-        context = self._context or {"rel_positions": None, "keep": None, "left_padding": None, "hidden": None}
         count = key_states.shape[-2]
         expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
         if tuple(key_states.shape) != expected:
@@ -346,16 +489,8 @@ class HermesCache(Cache):
         if self._length + count > self.capacity:
             raise ValueError(f"key_states: {count} incoming tokens do not fit: length {self._length} of capacity "
                              f"{self.capacity}")
-        # the first forward of a context takes its offsets and padding; later ones are text after it
-        rel, pads = context["rel_positions"], context["left_padding"]
-        context["rel_positions"] = context["left_padding"] = None
-        if pads is not None:
-            if int(pads.max()) >= count or int(pads.min()) < 0:
-                raise ValueError(f"left_padding: expected counts in [0, T={count}) (every stream keeps a token), "
-                                 f"got {pads.tolist()}")
-            context["hidden"] = (self._length, pads.to(self._stacks[0].device))
-        keep = context["keep"]
-        forward = _Forward(start=self._length, count=count, stored=count if keep is None else min(keep, count))
+        rel, stored = self._take_context(count)
+        forward = _Forward(start=self._length, count=count, stored=stored)
         for stack in self._stacks:
             stack.delta = self._write_positions(stack, forward, rel)
         return forward
@@ -394,7 +529,7 @@ class HermesCache(Cache):
         stack.values[local, :, :, fwd.start:end] = value_states
         keys = stack.keys[local, :, :, :end]
         values = stack.values[local, :, :, :end]
-        _HANDOFF.last = (weakref.ref(self), layer_idx, keys)
+        self._hand_off(layer_idx, keys)
         if layer_idx == self.cfg.num_layers - 1:
             self._length = fwd.start + fwd.stored
         return keys, values
@@ -410,31 +545,11 @@ class HermesCache(Cache):
         """The model's rotary inverse frequencies [D/2] on `layer`'s device (§2.8)."""
         return self._stack_of_layer[layer][0].inv_freq
 
-    def stored_count(self) -> int:
-        """Tokens of the running forward that stay in the cache (its first ones); the rest are read-only."""
-        return self._forward.stored
-
-    def hidden_keys(self) -> tuple[int, torch.Tensor] | None:
-        """Padding slots of the running context hidden from every query: (start, counts int64 [B]), stream b
-        hiding slots [start, start + counts[b]); None when nothing is hidden."""
-        return None if self._context is None else self._context["hidden"]
-
-    def forward_mask(self, key: str, device: torch.device, build) -> torch.Tensor:
-        """A mask memoised for the running forward (`build()` is called once per key and device)."""
-        slot = (key, str(device))
-        if slot not in self._forward.masks:
-            self._forward.masks[slot] = build()
-        return self._forward.masks[slot]
-
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (e.g. a question and its answer); storage is untouched."""
         if not isinstance(length, int) or not 0 <= length <= self._length:
             raise ValueError(f"length: expected an int in [0, {self._length}], got {length!r}")
         self._length = length
-
-    def crop(self, max_length: int) -> None:
-        """transformers' crop: keep `max_length` slots (negative: drop that many from the end)."""
-        self.truncate(self._length + max_length if max_length < 0 else min(max_length, self._length))
 
     def reset(self) -> None:
         """Empty the cache (length 0, step counters 0, `undefined` cleared); the buffers stay allocated."""
@@ -443,38 +558,11 @@ class HermesCache(Cache):
         self._compactions = 0
         self._undefined = False
 
-    @property
-    def undefined(self) -> bool:
-        """True after an exception escaped an in-place compression that had begun writing: the slots may be half
-        rewritten, so every forward and step raises until `reset()`."""
-        return self._undefined
+    def _counters(self) -> tuple:
+        return self._length, self._steps, self._compactions
 
-    @contextlib.contextmanager
-    def atomic(self) -> Iterator["HermesCache"]:
-        """All or nothing: if the block raises (any BaseException, KeyboardInterrupt included) the cache is put
-        back as it was at entry. Forwards write only past the length and move it at their last layer, so the
-        length and step counters are the whole state to restore: the valid slots were never touched.
-
-        Not undone: a compression step that completed inside the block (its in-place moves cannot be reversed;
-        the cache then holds the compressed state and the exception propagates) or one that failed while
-        writing (`undefined`).
-        """
-        saved = (self._length, self._steps, self._compactions)
-        try:
-            yield self
-        except BaseException:
-            if not self._undefined and self._steps == saved[1]:
-                self._length, self._steps, self._compactions = saved
-            raise
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("HermesCache: streams are fixed in lockstep; beam search is not supported")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("HermesCache: the batch of streams is fixed at construction")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("HermesCache: the batch of streams is fixed at construction")
+    def _restore_counters(self, saved: tuple) -> None:
+        self._length, self._steps, self._compactions = saved
 
     # ---- compression ------------------------------------------------------------------------------------
     def compress(self, attn: torch.Tensor, backend: str = "auto") -> CompressResult:

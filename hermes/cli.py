@@ -1,8 +1,9 @@
-"""`python -m hermes`: stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES cache and answer
-questions about it; `run(...)` does the same from Python and returns the records `--json` prints.
+"""`python -m hermes`: stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES (or H2SVC) cache and
+answer questions about it; `run(...)` does the same from Python and returns the records `--json` prints.
 
     python -m hermes --model PATH --video FILE --question "What is the person holding?"
     python -m hermes --model PATH --video FILE --ask-at 30s:"What just happened?" --json
+    python -m hermes --model PATH --video FILE --policy h2svc --head-map map.json --question "..."
 
 The path of one run: the checkpoint's config names the model family (`hermes.models`), the model loads with
 `AutoModelForImageTextToText` and its processor with `load_processor` (the real video processor, or the
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import itertools
 import json
 import os
@@ -103,35 +103,36 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
     return LoadedModel(model=model, processor=load_processor(path, family), family=family, path=path, device=device)
 
 
-def policy_kwargs(policy: str) -> dict:
-    """HermesStream keyword arguments that select the KV-cache `policy`: the one place the CLI maps a policy
-    to the stream. "hermes" is HermesStream's own (no argument); another policy goes as policy=... once
-    HermesStream takes that argument, and is refused with a ValueError before then."""
-    from hermes.stream import HermesStream
-
+def policy_kwargs(policy: str, budget: int, head_map: str | os.PathLike | None = None) -> dict:
+    """HermesStream keyword arguments that select the KV-cache `policy` and its settings: the one place the CLI
+    maps a policy to the stream. "hermes": its budget; "h2svc": policy="h2svc" and the head map file (None: the
+    unprofiled default map, which HermesStream warns about). A head map for HERMES or a missing file is an error
+    before anything loads."""
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     if policy == "hermes":
-        return {}
-    if "policy" not in inspect.signature(HermesStream).parameters:
-        raise ValueError(f"policy: {policy!r} is not available in this build (HermesStream has no policy argument "
-                         "yet); use --policy hermes")
-    return {"policy": policy}
+        if head_map is not None:
+            raise ValueError("head_map: only --policy h2svc takes a head map")
+        return {"budget": budget}
+    if head_map is not None and not os.path.isfile(os.fspath(head_map)):
+        raise FileNotFoundError(f"head map: no such file: {os.fspath(head_map)}")
+    return {"policy": policy, "head_map": None if head_map is None else os.fspath(head_map)}
 
 
 def build_stream(loaded: LoadedModel, *, policy: str, budget: int, chunk_frames: int,
-                 frame_size: tuple[int, int] | None):
-    """The stream for one video: HermesStream with `policy_kwargs(policy)`; a configuration the model cannot
-    hold (e.g. a budget past its positions) is a ValueError naming budget and chunk_frames."""
+                 frame_size: tuple[int, int] | None, head_map: str | os.PathLike | None = None):
+    """The stream for one video: HermesStream with `policy_kwargs(policy, budget, head_map)`; a configuration the
+    model cannot hold (e.g. a budget past its positions, a head map of another model) is a ValueError naming the
+    settings."""
     from hermes.stream import HermesStream
 
-    kwargs = policy_kwargs(policy)
+    kwargs = policy_kwargs(policy, budget, head_map)
+    settings = f"budget={budget}" if policy == "hermes" else f"policy {policy}"
     try:
-        return HermesStream(loaded.model, loaded.processor, budget=budget, chunk_frames=chunk_frames,
-                            frame_size=frame_size, **kwargs)
+        return HermesStream(loaded.model, loaded.processor, chunk_frames=chunk_frames, frame_size=frame_size,
+                            **kwargs)
     except ValueError as err:
-        raise ValueError(f"cannot build the stream with budget={budget}, chunk_frames={chunk_frames}: {err}") \
-            from err
+        raise ValueError(f"cannot build the stream with {settings}, chunk_frames={chunk_frames}: {err}") from err
 
 
 def parse_ask_at(item: str | tuple) -> tuple[float, str]:
@@ -171,11 +172,12 @@ def _sync(device: torch.device) -> None:
 
 def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, questions: Iterable[str] = (),
         ask_at: Sequence[str | tuple] = (), fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000,
-        policy: str = "hermes", device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
+        policy: str = "hermes", head_map: str | os.PathLike | None = None,
+        device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
         max_new_tokens: int = 64, on_record: Callable[[dict], None] | None = None,
         progress: bool = False) -> list[dict]:
-    """Stream `video` through `model` with HERMES and answer questions; returns the records (also passed to
-    `on_record` as they come).
+    """Stream `video` through `model` with HERMES (or H2SVC) and answer questions; returns the records (also passed
+    to `on_record` as they come).
 
     model:         a checkpoint folder, or a `LoadedModel` from `load_model` (reused across videos).
     questions:     asked after the whole video, in order; any iterable, read lazily (e.g. lines from a terminal).
@@ -183,7 +185,9 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
                    last frame is at or past TIME (after the last chunk when the video is shorter).
     fps:           frames sampled per second of video, by timestamp (`hermes.video`).
     chunk_frames:  frames per chunk (the cache is sized for one chunk; fewer frames in all is a ValueError).
-    budget:        visual tokens kept per layer; policy: "hermes" (or "h2svc" once the stream takes it).
+    budget:        visual tokens kept per layer (HERMES).
+    policy:        "hermes" or "h2svc" (H2SVC.md); head_map: an H2SVC head map file (`python -m
+                   hermes.h2svc.profile`; None: the unprofiled default map, with a warning).
     device, dtype: used when `model` is a path (default: cuda if available; bfloat16 on cuda, float32 on cpu).
     progress:      a tqdm bar on stderr with each chunk's latency and the cache size.
 
@@ -200,7 +204,7 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     _positive_int("chunk_frames", chunk_frames)
     _positive_int("budget", budget)
     _positive_int("max_new_tokens", max_new_tokens)
-    policy_kwargs(policy)  # an unknown or unavailable policy fails before anything loads
+    policy_kwargs(policy, budget, head_map)  # a bad policy or head map fails before anything loads
     schedule = sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0])
     if not os.path.isfile(os.fspath(video)):
         raise FileNotFoundError(f"video: no such file: {os.fspath(video)}")
@@ -232,7 +236,7 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
                              f"{chunk_frames}; lower --chunk-frames or raise --fps")
         prepared = prepare(first)
         stream = build_stream(loaded, policy=policy, budget=budget, chunk_frames=chunk_frames,
-                              frame_size=loaded.family.frame_size(loaded.model, prepared[0]))
+                              frame_size=loaded.family.frame_size(loaded.model, prepared[0]), head_map=head_map)
         duration = reader.duration
         total = None if duration is None else -(-(int(duration * fps) + 1) // chunk_frames)
         bar = tqdm(total=total, unit="chunk", file=sys.stderr, disable=not progress, dynamic_ncols=True)
@@ -288,7 +292,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hermes",
         description=wrap("Stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES KV cache (memory "
-                         "stays at the budget however long the video) and answer questions about it."),
+                         "stays at the budget however long the video) or an H2SVC one (per-head frame memories) and "
+                         "answer questions about it."),
         epilog="\n\n".join([
             wrap("Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes "
                  "their time; with neither, questions are read from stdin, one a line, until an empty line or end "
@@ -312,8 +317,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-frames", type=int, default=16,
                    help="sampled frames per chunk (default 16); the last chunk may be shorter; a video with "
                         "fewer frames than one chunk is an error")
-    p.add_argument("--budget", type=int, default=6000, help="visual tokens kept per layer (default 6000)")
-    p.add_argument("--policy", choices=POLICIES, default="hermes", help="KV-cache policy (default hermes)")
+    p.add_argument("--budget", type=int, default=6000,
+                   help="visual tokens kept per layer, --policy hermes (default 6000)")
+    p.add_argument("--policy", choices=POLICIES, default="hermes",
+                   help="KV-cache policy: hermes (default) or h2svc (per-head frame memories)")
+    p.add_argument("--head-map", metavar="PATH", default=None,
+                   help="--policy h2svc: head map from python -m hermes.h2svc.profile (checked against the model); "
+                        "default: the unprofiled depth-order map, with a warning")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
@@ -376,8 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads is not None:
             torch.set_num_threads(_positive_int("threads", args.threads))
         run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
-            chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, device=args.device,
-            dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+            chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, head_map=args.head_map,
+            device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
             on_record=lambda record: _print_record(record, args.json), progress=not args.quiet)
 
     return run_command(body, args.traceback)

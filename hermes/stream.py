@@ -1,6 +1,7 @@
 """The streaming front: feed video chunk by chunk, ask questions, memory stays flat (DESIGN.md §1, §3–4).
 
     stream = HermesStream(model, processor, budget=6000)       # LLaVA-OneVision or Qwen2.5-VL
+    stream = HermesStream(model, processor, policy="h2svc", head_map="map.json")   # or H2SVC (H2SVC.md)
     stream.append_video(chunk)                                 # prefill; past the budget: guidance + compress_step
     print(stream.ask("What is the person holding?", max_new_tokens=32))
     print(stream.stats())                                      # length, positions, steps, bytes
@@ -30,7 +31,9 @@ driven from two threads at once.
 
 Policies. Everything HERMES-specific sits in `HermesPolicy` (the preset, the cache, what runs after a chunk's
 prefill); the front (encoding, room checks, atomicity, questions) talks to the cache only through the
-`StreamCache` methods. A second policy plugs in as one more entry of `POLICIES` with its own cache.
+`StreamCache` methods. H2SVC is the second entry of `POLICIES` (`hermes.h2svc.policy.H2SVCPolicy`, its
+`H2SVCCache`: a step after every chunk, no guidance pass); `append_video`, `ask`, `next_token_logits`, `reset`
+and `stats` behave the same under both, failure semantics included.
 """
 from __future__ import annotations
 
@@ -40,16 +43,18 @@ import torch
 
 import hermes_kernels as hk
 from hermes.attention import patch_model
-from hermes.cache import HermesCache
+from hermes.cache import HermesCache, prefill
 from hermes.config import HermesConfig
 from hermes.guidance import GuidancePlan, guidance_length, run_guidance
+from hermes.h2svc.policy import H2SVCChunkResult, H2SVCPolicy
 from hermes.models import VideoChunk, family_of
 from hermes.reference import CompressResult
 
 
 class StreamCache(Protocol):
-    """What the front needs from a policy's cache (`HermesCache` is one): a transformers `Cache` that takes
-    forwards described by `forward_context`, undoes failed calls (`atomic`) and reports `stats`."""
+    """What the front needs from a policy's cache (`HermesCache`, `H2SVCCache`; both `hermes.cache.StreamCacheBase`):
+    a transformers `Cache` that takes forwards described by `forward_context`, says how many more tokens fit
+    (`room`), undoes failed calls (`atomic`) and reports `stats`."""
 
     length: int
     capacity: int
@@ -60,6 +65,8 @@ class StreamCache(Protocol):
                         left_padding: torch.Tensor | None = None): ...
 
     def default_position_ids(self, count: int, start: int | None = None) -> torch.Tensor: ...
+
+    def room(self) -> int: ...
 
     def atomic(self) -> Iterator: ...
 
@@ -137,14 +144,7 @@ class HermesPolicy:
         return run_guidance(stream.language_model, self.cache, plan, ids, stream.backend).clone()
 
 
-POLICIES = {"hermes": HermesPolicy}
-
-
-def prefill(language_model: torch.nn.Module, cache: StreamCache, chunk: VideoChunk) -> None:
-    """Store a chunk: one forward of its embeddings [B, T, hidden] at its relative positions."""
-    with cache.forward_context(chunk.rel_positions):
-        language_model(inputs_embeds=chunk.embeds, position_ids=cache.default_position_ids(chunk.embeds.shape[1]),
-                       cache=cache, use_cache=True)
+POLICIES = {"hermes": HermesPolicy, "h2svc": H2SVCPolicy}
 
 
 class HermesStream:
@@ -155,16 +155,18 @@ class HermesStream:
         model:        a loaded `LlavaOnevisionForConditionalGeneration` or `Qwen2_5_VLForConditionalGeneration`;
                       its language model's attention is switched to "hermes" (`hermes.attention`).
         processor:    the model's processor (its tokenizer and video processor are used) or a tokenizer.
-        policy:       the cache policy, a key of `POLICIES` ("hermes").
+        policy:       the cache policy, a key of `POLICIES`: "hermes" (DESIGN.md) or "h2svc" (H2SVC.md).
         batch_size:   streams advanced in lockstep (each chunk brings one clip per stream).
         chunk_frames: frames per chunk; with `frame_size` (Qwen2.5-VL) it sizes the chunk room of the cache;
                       `chunk_tokens` sets that room directly.
         room:         slots past the kept tokens and a chunk, for guidance prompts and a question with its answer.
+        frame_size:   (height, width) of the processed frames (Qwen2.5-VL: sizes the chunks and H2SVC's frames).
         system_prompt: text of the system turn in the prefix (default: the family's).
         backend:      "auto" | "triton" | "torch": hermes_kernels backend of the policy's kernels (HERMES: the
-                      guidance pooled attention and the compression step).
+                      guidance pooled attention and the compression step; H2SVC: the class-block step).
         policy_args:  the policy's own arguments; HERMES: budget (default 6000), reindex, config, fused_guidance
-                      and preset overrides (see `HermesPolicy`).
+                      and preset overrides (see `HermesPolicy`); H2SVC: head_map, tokens_per_frame, reindex and
+                      window / ratio overrides (see `H2SVCPolicy`).
     """
 
     def __init__(self, model: torch.nn.Module, processor=None, *, policy: str = "hermes", batch_size: int = 1,
@@ -187,6 +189,7 @@ class HermesStream:
         self.backend = backend
         self.batch_size = batch_size
         self.room = room
+        self.frame_size = frame_size
         self.language_model = self.family.language_model(model)
         self.prefix_ids = self._encode(self.family.prefix_text(system_prompt))
         if chunk_tokens is None:
@@ -195,7 +198,7 @@ class HermesStream:
             raise ValueError(f"chunk_tokens: expected a positive int, got {chunk_tokens!r}")
         self.chunk_tokens = chunk_tokens
         self.last_convs: list[str | None] = [None] * batch_size
-        self.last_step: CompressResult | None = None
+        self.last_step: CompressResult | H2SVCChunkResult | None = None
         self.policy = POLICIES[policy](self, **policy_args)
         self.cfg = self.policy.cfg
         self.cache: StreamCache = self.policy.cache
@@ -214,13 +217,14 @@ class HermesStream:
             self.language_model(input_ids=ids, position_ids=self.cache.default_position_ids(ids.shape[1]),
                                 cache=self.cache, use_cache=True)
 
-    def append_video(self, video, **kwargs) -> CompressResult | None:
-        """Append one chunk (one clip per stream) and compress when the budget is exceeded.
+    def append_video(self, video, **kwargs) -> CompressResult | H2SVCChunkResult | None:
+        """Append one chunk (one clip per stream) and run the policy's step: HERMES compresses when the budget is
+        exceeded, H2SVC steps every class block after every chunk.
 
         video: model-ready pixel values (LLaVA-OV [B, F, C, S, S]; Qwen2.5-VL flattened patches with
         `grid_thw=`) or raw frames for the processor's video processor. Qwen2.5-VL also takes
-        `seconds_per_grid=`. Returns the step's `CompressResult`, or None when no step ran. All or nothing:
-        see the module docstring.
+        `seconds_per_grid=`. Returns the step's result (HERMES `CompressResult`, H2SVC `H2SVCChunkResult`), or
+        None when no step ran. All or nothing: see the module docstring.
         """
         self._check_usable()
         with torch.no_grad():
@@ -262,7 +266,9 @@ class HermesStream:
 
     def guidance_scores(self, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Pooled guidance attention float32 [L, B, V] over the current cache (read-only), for `layers`
-        (default: the layers the policy reads). A copy; the cache is unchanged."""
+        (default: the layers the policy reads). A copy; the cache is unchanged. HERMES only."""
+        if not hasattr(self.policy, "guidance_scores"):
+            raise ValueError(f"guidance_scores: the {type(self.policy).__name__} runs no guidance pass")
         self._check_usable()
         with torch.no_grad(), self.cache.atomic():
             return self.policy.guidance_scores(self, layers)
@@ -273,7 +279,7 @@ class HermesStream:
 
     def check_room(self, count: int) -> None:
         """ValueError unless `count` more tokens fit past the cache's length."""
-        if self.cache.length + count > self.cache.capacity:
+        if count > self.cache.room():
             raise ValueError(f"room: {count} more tokens do not fit (length {self.cache.length}, capacity "
                              f"{self.cache.capacity}); raise room")
 

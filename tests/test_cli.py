@@ -26,9 +26,9 @@ from transformers.utils import is_torchvision_available
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 import hermes.models.processing
-import hermes.stream
 from bench.tiny_models import TINY_QWEN_PIXELS, save_tiny_checkpoint
 from hermes import cli
+from hermes.h2svc import HeadProfile, save_head_map
 from hermes.models import family_of_type
 from hermes.models.llava_ov import LlavaOneVisionPilVideoProcessor
 from hermes.models.processing import load_processor
@@ -223,10 +223,11 @@ def test_twins_match_the_real_video_processors(checkpoints, family):
 
 
 # ---- run --------------------------------------------------------------------------------------------------
-def direct_stream(loaded, path, family):
+def direct_stream(loaded, path, family, **policy):
     """The same video through HermesStream by hand: PyAV decodes every frame, every fourth is kept (4 fps file
     at 1 fps), chunks of 4 go through the checkpoint's processor; EARLY is asked after chunk 1 (4..7 s, the
-    first to reach 5 s), QUESTION at the end. Returns (stats after each chunk, answers)."""
+    first to reach 5 s), QUESTION at the end. `policy`: HermesStream's policy arguments (default: HERMES at the
+    run's budget). Returns (stats after each chunk, answers)."""
     _, frames = decode_all(path)
     picked = frames[::4]
     assert [frame_index(f) for f in picked] == list(range(0, 56, 4))
@@ -234,7 +235,8 @@ def direct_stream(loaded, path, family):
     qwen = family == "qwen2_5_vl"
     frame_size = smart_resize(HEIGHT, WIDTH, factor=4, min_pixels=TINY_QWEN_PIXELS[0],
                               max_pixels=TINY_QWEN_PIXELS[1]) if qwen else None
-    stream = HermesStream(model, processor, budget=RUN["budget"], chunk_frames=4, frame_size=frame_size)
+    policy = policy or {"budget": RUN["budget"]}
+    stream = HermesStream(model, processor, chunk_frames=4, frame_size=frame_size, **policy)
     stats, answers = [], []
     for index in range(0, len(picked), 4):
         out = processor.video_processor(videos=[np.stack(picked[index:index + 4])], return_tensors="pt")
@@ -322,20 +324,46 @@ def test_parse_ask_at_rejects(item):
         cli.parse_ask_at(item)
 
 
-def test_policy_goes_to_the_stream_once_it_takes_one(loaded, monkeypatch):
-    """--policy is routed through build_stream: refused while HermesStream has no policy argument, handed over
-    as policy=... once it has."""
-    with pytest.raises(ValueError, match="'h2svc' is not available in this build"):
-        cli.build_stream(loaded["llava_onevision"], policy="h2svc", budget=20, chunk_frames=4, frame_size=None)
+@pytest.fixture(scope="module")
+def head_maps(tmp_path_factory):
+    """H2SVC head-map files for the tiny checkpoints (every class in every layer but the last)."""
+    folder = tmp_path_factory.mktemp("maps")
+    return {family: str(save_head_map(tiny_profile(family), folder / f"{family}.json")) for family in FAMILIES}
 
-    class WithPolicy(HermesStream):
-        def __init__(self, *args, policy="hermes", **kwargs):
-            self.policy = policy
-            super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(hermes.stream, "HermesStream", WithPolicy)
-    stream = cli.build_stream(loaded["llava_onevision"], policy="h2svc", budget=20, chunk_frames=4, frame_size=None)
-    assert stream.policy == "h2svc" and stream.cfg.budget == 20
+def tiny_profile(model_type: str) -> HeadProfile:
+    head_map = torch.tensor([[2, 0], [1, 2], [0, 1], [2, 2]])
+    zeros = torch.zeros(4, 2, dtype=torch.float64)
+    return HeadProfile(model_name="", model_type=model_type, num_layers=4, num_kv_heads=2, num_heads=4,
+                       instant_ratio=0.1, short_ratio=0.4, head_map=head_map, v2v=zeros, t2v=zeros, scores=zeros,
+                       clips=[], settings={})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_h2svc_run_matches_the_stream_driven_directly(family, loaded, videos, head_maps):
+    """--policy h2svc --head-map PATH: the same records' cache stats (a step after every chunk) and answers as an
+    H2SVC HermesStream fed the same frames by hand with that map."""
+    records = cli.run(loaded[family], videos["cfr"], questions=[QUESTION], ask_at=[f"5s:{EARLY}"], policy="h2svc",
+                      head_map=head_maps[family], fps=1, chunk_frames=4, max_new_tokens=RUN["max_new_tokens"])
+    chunks = [r for r in records if r["type"] == "chunk"]
+    stats, answers = direct_stream(loaded[family], videos["cfr"], family, policy="h2svc",
+                                   head_map=head_maps[family])
+    assert [(c["cache_length"], c["cache_capacity"], c["positions"], c["steps"], c["cache_bytes"]) for c in chunks] \
+        == [(s["length"], s["capacity"], list(s["positions"]), s["steps"], s["bytes_allocated"]) for s in stats]
+    assert all(c["compressed"] for c in chunks) and stats[-1]["steps"] == 4 and stats[-1]["frames_seen"] > 0
+    assert [r["answer"] for r in records if r["type"] == "answer"] == answers
+
+
+def test_h2svc_command_line(checkpoints, videos, head_maps, capsys):
+    """`--policy h2svc --head-map PATH` from the command line answers; without --head-map the unprofiled default
+    map is used with a warning."""
+    argv = ["--model", checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4", "--policy",
+            "h2svc", "--question", QUESTION, "--max-new-tokens", "3", "--device", "cpu", "--quiet", "--json"]
+    assert cli.main(argv + ["--head-map", head_maps["llava_onevision"]]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["type"] for r in records] == ["chunk"] * 4 + ["answer"]
+    with pytest.warns(UserWarning, match="not profiled"):
+        assert cli.main(argv) == 0
 
 
 # ---- errors: one line, exit status 1, no traceback ------------------------------------------------------------
@@ -377,12 +405,15 @@ def bad_inputs(tmp_path_factory, videos):
     ("bad fps", ["--fps", "0"], r"fps: expected a positive finite number"),
     ("bad chunk", ["--chunk-frames", "0"], r"chunk_frames: expected a positive int"),
     ("bad ask-at", ["--ask-at", "soon:what ?"], r"ask_at: expected TIME:question"),
-    ("policy not in this build", ["--policy", "h2svc"], r"policy: 'h2svc' is not available in this build"),
+    ("head map for hermes", ["--head-map", "{map}"], r"head_map: only --policy h2svc takes a head map"),
+    ("missing head map", ["--policy", "h2svc", "--head-map", "{missing}"], r"head map: no such file"),
+    ("head map of another model", ["--policy", "h2svc", "--head-map", "{qwen_map}"],
+     r"policy h2svc, chunk_frames=4: head map .*model_type 'qwen2_5_vl' vs 'llava_onevision'"),
     ("unknown device", ["--device", "tpu"], r"device: expected"),
     ("bad threads", ["--threads", "0"], r"threads: expected a positive int"),
 ])
-def test_bad_input_is_one_clear_line(case, args, message, checkpoints, videos, bad_inputs, capsys):
-    paths = {**bad_inputs, **videos}
+def test_bad_input_is_one_clear_line(case, args, message, checkpoints, videos, bad_inputs, head_maps, capsys):
+    paths = {**bad_inputs, **videos, "map": head_maps["llava_onevision"], "qwen_map": head_maps["qwen2_5_vl"]}
     argv = ["--model", checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4",
             "--question", "yes", "--quiet", "--device", "cpu"] + [a.format(**paths) for a in args]
     assert re.search(message, error_of(capsys, argv))

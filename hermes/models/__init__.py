@@ -2,8 +2,8 @@
 
 A family turns a chunk of video into language-model input embeddings plus the positions of those tokens
 relative to where the chunk starts, names the language model and its rotary module, wraps questions in the
-model's chat format and picks the HERMES preset; it also turns decoded frames into that chunk's inputs through
-the checkpoint's processor (`prepare_frames`, `hermes.models.processing`). `family_of(model)` finds the
+model's chat format and picks the HERMES and H2SVC presets; it also turns decoded frames into that chunk's inputs
+through the checkpoint's processor (`prepare_frames`, `hermes.models.processing`). `family_of(model)` finds the
 family from `model.config.model_type`, `family_of_type` from the string.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from hermes.config import HermesConfig
+from hermes.h2svc.config import H2SVCConfig
 
 
 @dataclasses.dataclass
@@ -22,10 +23,16 @@ class VideoChunk:
     embeds:        [B, T, hidden] language-model input embeddings (the model's dtype and device).
     rel_positions: int64 [3, T] M-RoPE offsets (t, h, w) from the chunk's start position, or None for 1D
                    RoPE (0, 1, ..., T-1).
+    frames:        H2SVC frames in the chunk (the unit of memory, H2SVC.md §1): LLaVA-OV video frames,
+                   Qwen2.5-VL temporal grid steps; the T tokens are `frames` runs of T / frames tokens.
+    extent:        the largest offset of `rel_positions` over axes and tokens (T - 1 for 1D RoPE), a host int: the
+                   chunk's next position is start + extent + 1, known without reading a device tensor.
     """
 
     embeds: torch.Tensor
     rel_positions: torch.Tensor | None
+    frames: int
+    extent: int
 
 
 class ModelFamily:
@@ -41,8 +48,17 @@ class ModelFamily:
         """The decoder stack the cache and attention patch apply to."""
         return model.model.language_model
 
+    def h2svc_preset(self, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int,
+                     max_positions: int, **overrides) -> H2SVCConfig:
+        raise NotImplementedError
+
     def rotary(self, model: torch.nn.Module) -> tuple[torch.Tensor, list[int] | None]:
         """(inv_freq [D/2] taken from the model's rotary module — never recomputed, §2.8, mrope_section)."""
+        raise NotImplementedError
+
+    def tokens_per_frame(self, model: torch.nn.Module, frame_size: tuple[int, int] | None = None) -> int:
+        """Visual tokens of one H2SVC frame (`VideoChunk.frames`); ValueError when it depends on a frame size
+        that is not given."""
         raise NotImplementedError
 
     def tokens_per_chunk(self, model: torch.nn.Module, frames: int, frame_size: tuple[int, int] | None) -> int:

@@ -17,6 +17,7 @@ import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
 from hermes.config import HermesConfig
+from hermes.h2svc.config import H2SVCConfig
 
 from . import ModelFamily, VideoChunk, check_pixels
 from .processing import PilVideoProcessor
@@ -42,10 +43,15 @@ class LlavaOneVision(ModelFamily):
     def preset(self, num_layers, budget, prefix_len, max_positions, **overrides) -> HermesConfig:
         return HermesConfig.llava_ov(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
 
+    def h2svc_preset(self, num_layers, num_kv_heads, prefix_len, tokens_per_frame, max_positions,
+                     **overrides) -> H2SVCConfig:
+        return H2SVCConfig.llava_ov(num_layers, num_kv_heads, prefix_len, max_positions=max_positions,
+                                    tokens_per_frame=tokens_per_frame, **overrides)
+
     def rotary(self, model):
         return self.language_model(model).rotary_emb.inv_freq, None
 
-    def tokens_per_frame(self, model) -> int:
+    def tokens_per_frame(self, model, frame_size=None) -> int:
         vision = model.config.vision_config
         side = vision.image_size // vision.patch_size
         return math.ceil(side / 2) ** 2
@@ -76,7 +82,7 @@ class LlavaOneVision(ModelFamily):
             vision_feature_select_strategy=model.config.vision_feature_select_strategy).pooler_output
         lm = self.language_model(model)
         embeds = features[:, :-1].to(device=lm.embed_tokens.weight.device, dtype=lm.embed_tokens.weight.dtype)
-        return VideoChunk(embeds=embeds, rel_positions=None)
+        return VideoChunk(embeds=embeds, rel_positions=None, frames=video.shape[1], extent=embeds.shape[1] - 1)
 
     def pil_video_processor(self, image_processor, config):
         return LlavaOneVisionPilVideoProcessor(image_processor, config)

@@ -19,6 +19,7 @@ import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
 from hermes.config import HermesConfig
+from hermes.h2svc.config import H2SVCConfig
 
 from . import ModelFamily, VideoChunk, check_pixels
 from .processing import PilVideoProcessor
@@ -98,18 +99,27 @@ class Qwen2_5_VL(ModelFamily):
     def preset(self, num_layers, budget, prefix_len, max_positions, **overrides) -> HermesConfig:
         return HermesConfig.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
 
+    def h2svc_preset(self, num_layers, num_kv_heads, prefix_len, tokens_per_frame, max_positions,
+                     **overrides) -> H2SVCConfig:
+        return H2SVCConfig.qwen2_5_vl(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
+                                      max_positions=max_positions, **overrides)
+
     def rotary(self, model):
         rotary = self.language_model(model).rotary_emb
         return rotary.inv_freq, [int(s) for s in rotary.mrope_section]
 
-    def tokens_per_chunk(self, model, frames, frame_size=None) -> int:
+    def tokens_per_frame(self, model, frame_size=None) -> int:
+        """Merged tokens of one temporal grid step: (height / (patch·merge)) x (width / (patch·merge))."""
         if frame_size is None:
             raise ValueError("frame_size: Qwen2.5-VL's token count depends on the frame size; pass "
                              "frame_size=(height, width) of the processed frames or chunk_tokens")
         vision = model.config.vision_config
         side = vision.patch_size * vision.spatial_merge_size
-        grid_t = -(-frames // vision.temporal_patch_size)
-        return grid_t * (frame_size[0] // side) * (frame_size[1] // side)
+        return (frame_size[0] // side) * (frame_size[1] // side)
+
+    def tokens_per_chunk(self, model, frames, frame_size=None) -> int:
+        grid_t = -(-frames // model.config.vision_config.temporal_patch_size)
+        return grid_t * self.tokens_per_frame(model, frame_size)
 
     def encode_video(self, model, processor, video, batch_size, grid_thw=None, seconds_per_grid: float = 1.0,
                      **kwargs) -> VideoChunk:
@@ -140,7 +150,9 @@ class Qwen2_5_VL(ModelFamily):
                                                         dtype=lm.embed_tokens.weight.dtype)
         interval = vision.tokens_per_second * seconds_per_grid
         rel = video_rel_positions(grid, vision.spatial_merge_size, interval, device=embeds.device)
-        return VideoChunk(embeds=embeds, rel_positions=rel)
+        # the same integers built on the host (float32 arithmetic, bit for bit): the extent without a device read
+        extent = int(video_rel_positions(grid, vision.spatial_merge_size, interval).max())
+        return VideoChunk(embeds=embeds, rel_positions=rel, frames=grid[0], extent=extent)
 
     def pil_video_processor(self, image_processor, config):
         return Qwen2_5_VLPilVideoProcessor(image_processor, config)
