@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One check on a CUDA machine: the kernel tests on the GPU (HERMES and H2SVC stages), then the benchmark tables at
 # the LLaVA-OV-7B and Qwen2.5-VL-7B shapes in fp16 (triton, torch, reference): the HERMES stages, then the H2SVC
-# stages (frame features, STCE, the step of all three class blocks; chunks of 8 and 16 frames, full memories),
+# stages (frame features, STCE, the step of all three class blocks; 16-frame chunks, full memories),
 # each with the device-to-device copy bandwidth measured in the same run for the floor ratio.
 #
 #   bash bench/gpu_check.sh OUTDIR
 #
-# Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional) already installed;
-# installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt, tests.log,
-# kernels.log, bench.log, bench_h2svc.log, <gpu>.csv, <gpu>.png. At most 11 minutes (3 for the tests, 1 for the
-# static compile table, 4 for the HERMES table, 3 for the H2SVC table); the exit status is non-zero if the tests,
-# the compile check or a benchmark failed.
+# Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional; pytest-xdist used when there)
+# already installed; installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt,
+# tests.log, kernels.log, bench.log, bench_h2svc.log, <gpu>.csv, <gpu>.png. Sized for a 15-minute device lease
+# with room for one rerun: at most 7 minutes (2.5 for the tests, 1 for the static compile table, 2 for the
+# HERMES table, 1.5 for the H2SVC table); the exit status is non-zero if the tests, the compile check or a
+# benchmark failed.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -37,9 +38,14 @@ if [[ ${#cuda_tests[@]} -eq 0 ]]; then
     exit 1
 fi
 echo "== CUDA tests: ${cuda_tests[*]}"
+# most of their time is Triton compiling each specialisation: spread the files over the machine's cores
+workers=()
+if "$python" -c "import xdist" 2>/dev/null; then
+    workers=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
+fi
 tests_rc=0
-timeout 180 "$python" -m pytest "${cuda_tests[@]}" -x -q -p no:cacheprovider 2>&1 | tee "$out/tests.log" \
-    || tests_rc=$?
+timeout 150 "$python" -m pytest "${cuda_tests[@]}" "${workers[@]}" -q -p no:cacheprovider 2>&1 \
+    | tee "$out/tests.log" || tests_rc=$?
 
 # 2. The static compile table of the same shapes (registers, spills, occupancy, access widths), to read next to
 #    the measured times (python -m bench.kernels; it compiles for sm_80/sm_90 and needs no device).
@@ -51,16 +57,16 @@ timeout 60 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b
 # 3. The benchmark table (the reference is slow Python per layer: fewer repeats).
 echo "== benchmark"
 bench_rc=0
-timeout 240 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
-    --budgets 4000 6000 --chunks 16 --backends reference torch triton \
+timeout 120 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
+    --budgets 6000 --chunks 16 --backends reference torch triton \
     --stages pooled_attention_q40 pooled_attention_q20 scores select compact step \
-    --repeats 30 --reference-repeats 3 --warmup 3 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
+    --repeats 30 --reference-repeats 2 --warmup 3 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
     || bench_rc=$?
 
 # 4. The H2SVC stages (the per-head reference step takes seconds: one timed run, one warm-up).
 echo "== benchmark: H2SVC stages"
 h2svc_rc=0
-timeout 180 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 --chunks 8 16 \
+timeout 90 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 --chunks 16 \
     --stages h2svc_features h2svc_stce h2svc_step --backends reference torch triton \
     --repeats 30 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --results-dir "$out" 2>&1 \
     | tee "$out/bench_h2svc.log" || h2svc_rc=$?
