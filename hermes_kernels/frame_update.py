@@ -50,6 +50,7 @@ from hermes.h2svc.validation import check_arriving_features
 from . import frame_features as _features
 from . import stce as _stce
 from .compact import _dense_rank, _dense_rank_counting, _rows_native, _rows_torch, _use_native
+from .gpu_specs import H2SVCCase, gpu_spec
 from .launch import launch
 
 __all__ = ["h2svc_step_torch", "h2svc_step_triton", "plan_step", "RowWork", "fifo_keep_mask", "slot_plan"]
@@ -355,3 +356,16 @@ def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cl
                      reindex, next_position, features, _features.frame_features_triton, _stce.stce_select_triton)
     _move_rows_triton(keys, values, work, cfg, inv_freq, mrope_section)
     return work.held
+
+
+@gpu_spec(_frame_move_kernel, _features._frame_features_kernel, _stce._stce_kernel, max_spill_bytes=0,
+          case=H2SVCCase)
+def _gpu_spec(case: H2SVCCase) -> None:
+    """The whole step of every class block, as a stream makes it: the plan's torch ops run on the meta tensors
+    too (they read nothing on the host), so the guard compiles the launches `h2svc_step_triton` itself makes: the
+    move of each block and, for the episodic block, the feature and STCE launches before it."""
+    for cls in case.classes:
+        block = case.block(cls)
+        h2svc_step_triton(block.keys, block.values, block.positions, block.slot_frames, case.cfg, cls,
+                          case.inv_freq(), case.mrope_section, case.cfg.window(cls), case.chunk_frames,
+                          case.first_frame, case.reindex, case.next_position, block.features)
