@@ -1,9 +1,10 @@
 """`python -m bench.kernels`: every Triton kernel built for sm_80 and sm_90 without a GPU, and what it costs there.
 
-1. Record: every spec of `hermes_kernels.gpu_specs` drives its launcher at every `spec_cases()` case (the two 7B
-   shapes of bench/shapes.py, each cache dtype, both budgets, every re-index trigger, head dims 64/128/256, 1D and
-   M-RoPE, one and two streams) inside `launch.recording()`, on meta tensors laid out as the streaming cache lays
-   them out.
+1. Record: every spec of `hermes_kernels.gpu_specs` drives its launcher at every `spec_cases()` case of its type
+   inside `launch.recording()`, on meta tensors laid out as the streaming caches lay them out: HERMES steps (the two
+   7B shapes of bench/shapes.py, each cache dtype, both budgets, every re-index trigger) and H2SVC steps (the same
+   shapes' class blocks with full memories, each cache dtype, 16- and 8-frame chunks, re-index on and off), each
+   also at head dims 64 and 256 and with two streams; 1D and M-RoPE.
 2. Specialise each recorded launch for a target exactly as `JITFunction.run` does (Triton's own binder: pointer and
    integer alignment, stride-1 and other constexpr specialisation); tensor addresses are those of a fresh
    allocation plus the view's offset. Identical (kernel, signature, constexprs, attributes, options) compile once.
@@ -152,24 +153,44 @@ def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int =
                     guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
 
 
-def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None,
-               streams: list[int] | None = None) -> list[gpu_specs.SpecCase]:
-    """The cases every spec is driven at (16-frame chunks, the stream's default room, one stream unless said):
-    the 7B shapes (LLaVA-OV 1D, Qwen2.5-VL M-RoPE) x fp16/bf16/fp32 x budgets 6000/4000 x re-index
-    lazy/eager/given; head dims 64 and 256 (LLaVA-OV-0.5B, and the 7B shapes at D = 64 / 256) x each dtype at
-    budget 6000, lazy; the 7B shapes with two streams (fp16, 6000, lazy: B = 1 is specialised as a constant, so
-    B > 1 compiles apart). `models` / `dtypes` / `streams` keep only those model names (as labelled) / dtypes /
-    stream counts."""
+def _h2svc_case(shape: ModelShape, dtype: str, chunk_frames: int, reindex: bool,
+                batch: int = 1) -> gpu_specs.H2SVCCase:
+    label = (f"{shape.name} h2svc {dtype} F{chunk_frames} {'reindex' if reindex else 'no-reindex'}"
+             + (f" B={batch}" if batch > 1 else ""))
+    return gpu_specs.H2SVCCase(label=label, head_dim=shape.head_dim, mrope_section=shape.mrope_section,
+                               dtype=_DTYPES[dtype], cfg=shape.h2svc_config(), chunk_frames=chunk_frames,
+                               reindex=reindex, batch=batch)
+
+
+def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None, streams: list[int] | None = None,
+               policies: list[str] | None = None) -> list:
+    """The cases every spec is driven at (each spec at the cases of its type).
+
+    HERMES (`SpecCase`; 16-frame chunks, the stream's default room, one stream unless said): the 7B shapes
+    (LLaVA-OV 1D, Qwen2.5-VL M-RoPE) x fp16/bf16/fp32 x budgets 6000/4000 x re-index lazy/eager/given; head dims
+    64 and 256 (LLaVA-OV-0.5B, and the 7B shapes at D = 64 / 256) x each dtype at budget 6000, lazy; the 7B shapes
+    with two streams (fp16, 6000, lazy: B = 1 is specialised as a constant, so B > 1 compiles apart).
+    H2SVC (`H2SVCCase`; the default head map and windows, full memories): the 7B shapes x each dtype x 16- and
+    8-frame chunks x re-index on/off; the D = 64 / 256 shapes x each dtype x 16 frames x re-index on/off; the 7B
+    shapes with two streams (fp16, 16 frames, re-index on/off).
+    `models` / `dtypes` / `streams` / `policies` keep only those model names (as labelled) / dtypes / stream
+    counts / policies ("hermes", "h2svc")."""
     seven = [SHAPES["llava-ov-7b"], SHAPES["qwen2.5-vl-7b"]]
     dims = [SHAPES["llava-ov-0.5b"], _with_head_dim(seven[1], 64), _with_head_dim(seven[0], 256),
             _with_head_dim(seven[1], 256)]
     budgets = sorted(BUDGETS, reverse=True)  # DESIGN.md §4's 6K first: it names the rows of the table
-    cases = []
+    hermes, h2svc = [], []
     for dtype in dtypes or list(_DTYPES):
-        cases += [_case(s, dtype, b, r) for s in seven for b in budgets for r in ("lazy", "eager", "given")]
-        cases += [_case(s, dtype, budgets[0], "lazy") for s in dims]
+        hermes += [_case(s, dtype, b, r) for s in seven for b in budgets for r in ("lazy", "eager", "given")]
+        hermes += [_case(s, dtype, budgets[0], "lazy") for s in dims]
+        h2svc += [_h2svc_case(s, dtype, f, r) for s in seven for f in (CHUNK_FRAMES, CHUNK_FRAMES // 2)
+                  for r in (True, False)]
+        h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r) for s in dims for r in (True, False)]
         if dtype == "fp16":
-            cases += [_case(s, dtype, budgets[0], "lazy", batch=2) for s in seven]
+            hermes += [_case(s, dtype, budgets[0], "lazy", batch=2) for s in seven]
+            h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r, batch=2) for s in seven for r in (True, False)]
+    cases = [c for policy, group in (("hermes", hermes), ("h2svc", h2svc)) if policies is None or policy in policies
+             for c in group]
     return [c for c in cases if (models is None or c.label.split()[0] in models)
             and (streams is None or c.batch in streams)]
 
@@ -194,7 +215,8 @@ def record(cases) -> tuple[list[Recorded], list[str]]:
     for spec in specs:
         named = {gpu_specs.kernel_name(k) for k in spec.kernels}
         seen = set()
-        for case in cases:
+        driven = [c for c in cases if isinstance(c, spec.case_type)]
+        for case in driven:
             with recording() as launches:
                 try:
                     spec.drive(case)
@@ -207,7 +229,8 @@ def record(cases) -> tuple[list[Recorded], list[str]]:
                     problems.append(f"{spec.name} launches {name}, which it does not name")
                 seen.add(name)
                 recorded.append(Recorded(spec.name, case.label, name, item.grid, item))
-        problems += [f"{spec.name} names {name} but never launches it" for name in sorted(named - seen)]
+        if driven:  # a spec without cases (filtered out by --policies / --models) has nothing to launch
+            problems += [f"{spec.name} names {name} but never launches it" for name in sorted(named - seen)]
     specified = {gpu_specs.kernel_name(k) for spec in specs for k in spec.kernels}
     problems += [f"{name} has no compile spec (register one with hermes_kernels.gpu_specs.gpu_spec)"
                  for name in sorted(set(gpu_specs.jit_kernels()) - specified)]
@@ -352,11 +375,16 @@ def build_rows(recorded: list[Recorded], archs: list[int], workers: int) -> list
                                        smem_limit=sm.smem_per_block, **results[job.key])
             if "error" not in row:
                 blocks, limiter = occupancy(row["registers"], row["shared"], row["num_warps"], sm)
-                programs = math.prod(item.grid)
                 row.update(blocks_per_sm=blocks, limiter=limiter,
-                           occupancy=blocks * row["num_warps"] * 32 / sm.threads,
-                           waves=programs / (max(blocks, 1) * sm.sms))
-        row["cases"].append(item.case)
+                           occupancy=blocks * row["num_warps"] * 32 / sm.threads)
+        elif item.case == row["cases"][0] and math.prod(item.grid) > math.prod(row["grid"]):
+            row["grid"] = list(item.grid)  # the largest launch of the first case (e.g. an H2SVC step's episodic move)
+        if item.case not in row["cases"]:  # e.g. the moves of two class blocks of one H2SVC step share a compile
+            row["cases"].append(item.case)
+    for row in rows.values():
+        if "error" not in row:
+            sm = SM_MODELS[int(row["target"][3:])]
+            row["waves"] = math.prod(row["grid"]) / (max(row["blocks_per_sm"], 1) * sm.sms)
     return list(rows.values())
 
 
@@ -403,6 +431,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "qwen2.5-vl-7b 'llava-ov-7b[D=256]' (default: all)")
     p.add_argument("--dtypes", nargs="+", choices=sorted(_DTYPES), help="only these cache dtypes (default: all)")
     p.add_argument("--streams", nargs="+", type=int, choices=[1, 2], help="only cases with these stream counts")
+    p.add_argument("--policies", nargs="+", choices=["hermes", "h2svc"], help="only the cases of these policies "
+                   "(default: both)")
     p.add_argument("--kernels", nargs="+", help="only these kernels, by function name (default: all)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: CPUs)")
     p.add_argument("--json", type=Path, help="also write the rows and problems to this JSON file")
@@ -419,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # the guard compiles with the default
     start = time.perf_counter()
-    recorded, coverage = record(spec_cases(args.models, args.dtypes, args.streams))
+    recorded, coverage = record(spec_cases(args.models, args.dtypes, args.streams, args.policies))
     if args.kernels:
         recorded = [r for r in recorded if r.kernel.rsplit(".", 1)[1] in args.kernels]
     rows = build_rows(recorded, args.targets, args.jobs)

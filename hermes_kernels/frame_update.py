@@ -50,13 +50,16 @@ from hermes.h2svc.validation import check_arriving_features
 from . import frame_features as _features
 from . import stce as _stce
 from .compact import _dense_rank, _dense_rank_counting, _rows_native, _rows_torch, _use_native
+from .gpu_specs import H2SVCCase, gpu_spec
 from .launch import launch
 
 __all__ = ["h2svc_step_torch", "h2svc_step_triton", "plan_step", "RowWork", "fifo_keep_mask", "slot_plan"]
 
 _TL_WORK = {torch.float32: tl.float32, torch.float64: tl.float64}
-# Triton move kernel: at most this many [token, pair] elements per register tile (32 tokens x 64 pairs at D = 128)
-_TILE_ELEMENTS = 2048
+# Triton move kernel (4 warps): bytes of one [token, pair] K or V half tile in the widest dtype a thread holds it in,
+# 32 per thread. A copy holds the cache dtype: two 16-byte vectors per half and thread (fp16 at D = 128: 32 tokens x
+# 64 pairs); a rotation holds float32 (16 tokens x 64 pairs; an fp16 row part is then one 16-byte vector)
+_TILE_BYTES = 4096
 
 
 def _frame_of_slot(slot_frames: torch.Tensor, held: int, num_frames: int, first_frame: int) -> torch.Tensor:
@@ -245,12 +248,15 @@ def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls
 # Grid (H_c·B·J, cdiv(T_f, BLOCK_T)): a program takes one tile of one work item's tokens: it reads each token's key
 # row (and value row, when the item changes slot) once from the source frame slot and writes it to the destination.
 # Sources are the item's own slot or an overflow slot, which no program writes, so programs need no ordering.
-@triton.jit
+# Values are moved before keys are read, so a thread never holds both tiles. B, J (streams, work items) and the
+# M-RoPE section ends are runtime values, not specialised: one compile serves every stream count, every held count
+# of a filling memory and every head dim's section.
+@triton.jit(do_not_specialize=["B", "J", "t_end", "h_end"])
 def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
                        sk_h, sk_b, sk_n, sk_d, sv_h, sv_b, sv_n, sv_d,
-                       B, J, T, P, HALF,
-                       A: tl.constexpr, ROTATE: tl.constexpr, T_END: tl.constexpr, H_END: tl.constexpr,
-                       WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+                       B, J, T, P, HALF, t_end, h_end,
+                       A: tl.constexpr, ROTATE: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_PAIRS: tl.constexpr):
     pid = tl.program_id(0)  # (row, stream, item), item fastest
     item = pid % J
     row_stream = pid // J
@@ -262,6 +268,19 @@ def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
     pair = tl.arange(0, BLOCK_PAIRS)
     in_dim = pair < HALF
     live = (token < T) & (tl.zeros_like(token) + dst >= 0)
+    moved = tl.zeros_like(token) + src != dst
+    src_row = (P + src * T + token).to(tl.int64)[:, None]
+    dst_row = (P + dst * T + token).to(tl.int64)[:, None]
+
+    # values: a plain copy when the item changes slot
+    v_base = v_ptr + row.to(tl.int64) * sv_h + stream.to(tl.int64) * sv_b
+    mask_v = (live & moved)[:, None] & in_dim[None, :]
+    v1 = tl.load(v_base + src_row * sv_n + pair[None, :] * sv_d, mask=mask_v, other=0)
+    v2 = tl.load(v_base + src_row * sv_n + (pair + HALF)[None, :] * sv_d, mask=mask_v, other=0)
+    tl.store(v_base + dst_row * sv_n + pair[None, :] * sv_d, v1, mask=mask_v)
+    tl.store(v_base + dst_row * sv_n + (pair + HALF)[None, :] * sv_d, v2, mask=mask_v)
+
+    # keys: copied, and rotated when re-indexing turns them
     if ROTATE:
         # §4: angle = delta·inv_freq from the integer delta, per M-RoPE section
         inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
@@ -270,41 +289,28 @@ def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
         if A == 3:
             d1 = tl.load(delta_row + J * T, mask=live, other=0)
             d2 = tl.load(delta_row + 2 * J * T, mask=live, other=0)
-            axis = (pair >= T_END).to(tl.int32) + (pair >= H_END).to(tl.int32)
+            axis = (pair >= t_end).to(tl.int32) + (pair >= h_end).to(tl.int32)
             turned = (d0 != 0) | (d1 != 0) | (d2 != 0)
             delta = tl.where(axis[None, :] == 0, d0[:, None], tl.where(axis[None, :] == 1, d1[:, None], d2[:, None]))
         else:
             turned = d0 != 0
             delta = d0[:, None]
+    else:
+        turned = token < 0
+    k_base = k_ptr + row.to(tl.int64) * sk_h + stream.to(tl.int64) * sk_b
+    mask_k = (live & (moved | turned))[:, None] & in_dim[None, :]
+    k1 = tl.load(k_base + src_row * sk_n + pair[None, :] * sk_d, mask=mask_k, other=0)
+    k2 = tl.load(k_base + src_row * sk_n + (pair + HALF)[None, :] * sk_d, mask=mask_k, other=0)
+    if ROTATE:
         angle = delta.to(WORK) * inv_freq[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle)
-    else:
-        turned = token < 0
-    moved = tl.zeros_like(token) + src != dst
-    move_k = live & (moved | turned)
-    move_v = live & moved
-    k_base = k_ptr + row.to(tl.int64) * sk_h + stream.to(tl.int64) * sk_b
-    v_base = v_ptr + row.to(tl.int64) * sv_h + stream.to(tl.int64) * sv_b
-    k_src = k_base + (P + src * T + token).to(tl.int64)[:, None] * sk_n
-    k_dst = k_base + (P + dst * T + token).to(tl.int64)[:, None] * sk_n
-    v_src = v_base + (P + src * T + token).to(tl.int64)[:, None] * sv_n
-    v_dst = v_base + (P + dst * T + token).to(tl.int64)[:, None] * sv_n
-    mask_k = move_k[:, None] & in_dim[None, :]
-    mask_v = move_v[:, None] & in_dim[None, :]
-    k1 = tl.load(k_src + pair[None, :] * sk_d, mask=mask_k, other=0)
-    k2 = tl.load(k_src + (pair + HALF)[None, :] * sk_d, mask=mask_k, other=0)
-    v1 = tl.load(v_src + pair[None, :] * sv_d, mask=mask_v, other=0)
-    v2 = tl.load(v_src + (pair + HALF)[None, :] * sv_d, mask=mask_v, other=0)
-    if ROTATE:
         w1 = k1.to(WORK)
         w2 = k2.to(WORK)
         k1 = (w1 * cos - w2 * sin).to(k_ptr.dtype.element_ty)
         k2 = (w2 * cos + w1 * sin).to(k_ptr.dtype.element_ty)
-    tl.store(k_dst + pair[None, :] * sk_d, k1, mask=mask_k)
-    tl.store(k_dst + (pair + HALF)[None, :] * sk_d, k2, mask=mask_k)
-    tl.store(v_dst + pair[None, :] * sv_d, v1, mask=mask_v)
-    tl.store(v_dst + (pair + HALF)[None, :] * sv_d, v2, mask=mask_v)
+    tl.store(k_base + dst_row * sk_n + pair[None, :] * sk_d, k1, mask=mask_k)
+    tl.store(k_base + dst_row * sk_n + (pair + HALF)[None, :] * sk_d, k2, mask=mask_k)
 
 
 def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mrope_section) -> None:
@@ -312,7 +318,8 @@ def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, m
     rotates); otherwise one per overflow slot (only movers change slot). Nothing launches when there is no work."""
     P, T = cfg.prefix_len, cfg.tokens_per_frame
     H, B, _, D = keys.shape
-    if work.delta is not None:
+    rotate = work.delta is not None
+    if rotate:
         home = torch.arange(work.held, device=keys.device).expand_as(work.source)
         source, destination = work.source.contiguous(), home.contiguous()
         delta = work.delta.contiguous()
@@ -330,11 +337,14 @@ def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, m
         h_end = t_end + int(mrope_section[1])
     work_dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32
     block_pairs = triton.next_power_of_2(half)
-    block_t = min(triton.next_power_of_2(T), max(1, _TILE_ELEMENTS // block_pairs))
+    # a half tile of _TILE_BYTES in the widest dtype a thread holds it in (the cache's, or the rotation's work
+    # dtype): every dtype gets the same registers per thread, each thread's share still whole 16-byte vectors
+    element = max(keys.element_size(), work_dtype.itemsize if rotate else 0)
+    block_t = min(triton.next_power_of_2(T), max(1, _TILE_BYTES // (block_pairs * element)))
     launch(_frame_move_kernel, (H * B * J, triton.cdiv(T, block_t)), keys, values, source, destination, delta,
            inv_freq.to(device=keys.device, dtype=work_dtype), *keys.stride(), *values.stride(), B, J, T, P, half,
-           A=3 if mrope_section is not None else 1, ROTATE=work.delta is not None, T_END=t_end, H_END=h_end,
-           WORK=_TL_WORK[work_dtype], BLOCK_T=block_t, BLOCK_PAIRS=block_pairs)
+           t_end, h_end, A=3 if mrope_section is not None else 1, ROTATE=rotate, WORK=_TL_WORK[work_dtype],
+           BLOCK_T=block_t, BLOCK_PAIRS=block_pairs)
 
 
 def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
@@ -346,3 +356,16 @@ def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cl
                      reindex, next_position, features, _features.frame_features_triton, _stce.stce_select_triton)
     _move_rows_triton(keys, values, work, cfg, inv_freq, mrope_section)
     return work.held
+
+
+@gpu_spec(_frame_move_kernel, _features._frame_features_kernel, _stce._stce_kernel, max_spill_bytes=0,
+          case=H2SVCCase)
+def _gpu_spec(case: H2SVCCase) -> None:
+    """The whole step of every class block, as a stream makes it: the plan's torch ops run on the meta tensors
+    too (they read nothing on the host), so the guard compiles the launches `h2svc_step_triton` itself makes: the
+    move of each block and, for the episodic block, the feature and STCE launches before it."""
+    for cls in case.classes:
+        block = case.block(cls)
+        h2svc_step_triton(block.keys, block.values, block.positions, block.slot_frames, case.cfg, cls,
+                          case.inv_freq(), case.mrope_section, case.cfg.window(cls), case.chunk_frames,
+                          case.first_frame, case.reindex, case.next_position, block.features)

@@ -1,13 +1,20 @@
 """Compile specifications of the Triton kernels, for the GPU compile guard (`python -m bench.kernels`,
 tests/test_compile.py), which builds every kernel for sm_80 and sm_90 without a GPU.
 
-A spec lives beside its kernels: it names the kernels it covers, the spill bound the guard enforces on them, and a
-driver that calls the module's own launcher for one `SpecCase` (the tensors one streaming compression step hands
-the kernels at one model shape and cache dtype):
+A spec lives beside its kernels (or beside the launcher that chains them: the H2SVC step's spec, in frame_update.py,
+also covers the feature and STCE kernels the step launches): it names the kernels it covers, the spill bound the
+guard enforces on them, and a driver that calls the module's own launcher for one case: a `SpecCase` (the tensors
+one HERMES streaming compression step hands the kernels at one model shape and cache dtype) or an `H2SVCCase` (the
+class blocks one H2SVC step updates). A driver is driven at every case of the type it is registered for:
 
     @gpu_spec(_my_kernel, max_spill_bytes=0)
     def _my_gpu_spec(case: SpecCase) -> None:
         my_launcher(case.guidance_attn(), case.cfg)
+
+    @gpu_spec(_my_h2svc_kernel, case=H2SVCCase)
+    def _my_h2svc_gpu_spec(case: H2SVCCase) -> None:
+        for cls in case.classes:
+            my_h2svc_launcher(case.block(cls).keys, case.cfg.window(cls), ...)
 
 The guard runs every driver inside `launch.recording()` on meta tensors (no memory, no data), so the signatures,
 constexprs and block sizes it compiles are the ones the launchers really produce; nothing is written by hand that
@@ -21,13 +28,20 @@ import dataclasses
 import importlib
 import pkgutil
 import textwrap
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from hermes.config import HermesConfig
+from hermes.h2svc import EPISODIC, INSTANT, SHORT, H2SVCConfig
 
-__all__ = ["SpecCase", "GpuSpec", "gpu_spec", "registered_specs", "jit_kernels", "kernel_name"]
+__all__ = ["SpecCase", "H2SVCCase", "H2SVCBlock", "GpuSpec", "gpu_spec", "registered_specs", "jit_kernels",
+           "kernel_name"]
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A meta tensor: shape, strides and dtype without memory."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +79,7 @@ class SpecCase:
         """V = N - prefix."""
         return self.num_tokens - self.cfg.prefix_len
 
-    @staticmethod
-    def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A meta tensor: shape, strides and dtype without memory."""
-        return torch.empty(shape, dtype=dtype, device="meta")
+    empty = staticmethod(_meta)
 
     def cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """keys, values [L, B, Hkv, N, D] and int64 positions [L, B, N] / [L, B, 3, N], views of the buffers."""
@@ -108,29 +119,95 @@ class SpecCase:
         return q, k
 
 
+class H2SVCBlock(NamedTuple):
+    """One class block as `hk.h2svc_step` takes it (meta tensors); features is None for a FIFO class."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    slot_frames: torch.Tensor
+    features: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class H2SVCCase:
+    """One H2SVC streaming step the launchers are driven at: every class block of a model (the config's head map)
+    with a full memory (held = W frames in the home slots) and a just-prefilled chunk of F frames behind it, in one
+    cache dtype, re-indexing on or off (the caller's decision for the step).
+
+    Blocks are laid out as the engine interface of issue 9 and bench/stages.py's `ClassBlock` lay them out: keys /
+    values [H_c, B, C, D] with C = P + (W + F)·T_f, positions int64 [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE),
+    slot_frames int64 [H_c, B, W], features float32 [H_c, B, W, D] (EPISODIC only). The stream has seen 2·N_e
+    frames before the chunk, and a re-indexing step aligns to next_position = P + (largest window)·T_f, as the
+    benchmark's step does.
+    """
+
+    label: str
+    head_dim: int
+    mrope_section: tuple[int, int, int] | None
+    dtype: torch.dtype
+    cfg: H2SVCConfig
+    chunk_frames: int
+    reindex: bool
+    batch: int = 1
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        """The classes that have rows in the head map, in INSTANT, SHORT, EPISODIC order."""
+        return tuple(c for c in (INSTANT, SHORT, EPISODIC) if self.cfg.num_rows(c))
+
+    @property
+    def first_frame(self) -> int:
+        """Stream index of the chunk's first frame (newer than every held frame)."""
+        return 2 * self.cfg.window(EPISODIC)
+
+    @property
+    def next_position(self) -> int:
+        """The re-index target R: P + the largest retained visual token count over the classes."""
+        return self.cfg.prefix_len + max(self.cfg.window(c) for c in self.classes) * self.cfg.tokens_per_frame
+
+    def block(self, cls: int) -> H2SVCBlock:
+        """The state of class `cls`'s block at the start of the step (after the chunk's prefill)."""
+        H, B, D, W = self.cfg.num_rows(cls), self.batch, self.head_dim, self.cfg.window(cls)
+        C = self.cfg.prefix_len + (W + self.chunk_frames) * self.cfg.tokens_per_frame
+        axes = () if self.mrope_section is None else (3,)
+        features = _meta(H, B, W, D) if cls == EPISODIC else None
+        return H2SVCBlock(_meta(H, B, C, D, dtype=self.dtype), _meta(H, B, C, D, dtype=self.dtype),
+                          _meta(H, B, *axes, C, dtype=torch.int64), _meta(H, B, W, dtype=torch.int64), features)
+
+    def inv_freq(self) -> torch.Tensor:
+        """float32 [D/2] rotary inverse frequencies."""
+        return _meta(self.head_dim // 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """A registered spec: `drive(case)` calls the launcher(s) of `kernels`; each kernel may spill at most
-    `max_spill_bytes` (ptxas spill stores) on every target."""
+    """A registered spec: `drive(case)` calls the launcher(s) of `kernels` at every case of type `case_type`;
+    each kernel may spill at most `max_spill_bytes` (ptxas spill stores) on every target."""
 
     name: str
     kernels: tuple
-    drive: Callable[[SpecCase], None]
+    drive: Callable
     max_spill_bytes: int
+    case_type: type = SpecCase
 
 
 _SPECS: list[GpuSpec] = []
 
 
-def gpu_spec(*kernels, max_spill_bytes: int = 0) -> Callable[[Callable[[SpecCase], None]], Callable]:
-    """Register the decorated driver as the compile spec of `kernels` (the @triton.jit objects it launches)."""
+def gpu_spec(*kernels, max_spill_bytes: int = 0, case: type = SpecCase) -> Callable[[Callable], Callable]:
+    """Register the decorated driver as the compile spec of `kernels` (the @triton.jit objects it launches),
+    driven at every case of type `case` (SpecCase: a HERMES step; H2SVCCase: an H2SVC step)."""
     if not kernels:
         raise ValueError("kernels: name at least one kernel the spec covers")
     if not isinstance(max_spill_bytes, int) or max_spill_bytes < 0:
         raise ValueError(f"max_spill_bytes: expected an int >= 0, got {max_spill_bytes!r}")
+    if case not in (SpecCase, H2SVCCase):
+        raise ValueError(f"case: expected SpecCase or H2SVCCase, got {case!r}")
 
-    def register(drive: Callable[[SpecCase], None]) -> Callable[[SpecCase], None]:
-        _SPECS.append(GpuSpec(f"{drive.__module__}.{drive.__name__}", tuple(kernels), drive, max_spill_bytes))
+    def register(drive: Callable) -> Callable:
+        _SPECS.append(GpuSpec(f"{drive.__module__}.{drive.__name__}", tuple(kernels), drive, max_spill_bytes,
+                              case))
         return drive
     return register
 

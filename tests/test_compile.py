@@ -5,7 +5,7 @@ vectorised, and no kernel of the package goes without a spec.
 The guard runs once per session as `python -m bench.kernels --json` in a subprocess without TRITON_INTERPRET: this
 process runs the interpreter when there is no GPU, and then @triton.jit makes interpreter objects, which cannot be
 compiled. Compiled results are cached under Triton's cache dir, keyed by Triton's own compile key, so a run after an
-unchanged kernel costs seconds; a cold run about a minute on 2 cores. The pieces it is made of (occupancy, ptxas log
+unchanged kernel costs seconds (about 10 on 2 shared cores); a cold run about a minute and a half. The pieces it is made of (occupancy, ptxas log
 and PTX parsing, launch recording, the coverage rules) are tested here directly.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from bench import kernels as guard_module
-from hermes_kernels import gpu_specs
+from hermes.h2svc import EPISODIC, INSTANT, SHORT
+from hermes_kernels import frame_update, gpu_specs
 from hermes_kernels.launch import launch, launch_count, recording
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,17 +69,21 @@ def test_spills_and_shared_memory_within_bounds(guard):
 
 
 def test_row_moves_are_16_byte_vectors(guard):
-    """The compaction's K/V row moves (k and v halves: 4 loads, 4 stores per tile) are 16-byte accesses at every
-    case and target, e.g. ld.global.v4.b32 of 8 fp16 values."""
-    moves = [row for row in guard["rows"] if row["kernel"] == "_move_kernel"]
-    assert {row["target"] for row in moves} == TARGETS
-    for row in moves:
-        assert row["mix"]["ld"].get("16", 0) >= 4 and row["mix"]["st"].get("16", 0) >= 4, \
-            f"{_where(row)}: row moves not vectorised: {row['mix']}"
+    """K/V row moves are 16-byte accesses at every case and target, e.g. ld.global.v4.b32 of 8 fp16 values: the
+    compaction's and the H2SVC step's (k and v halves: at least 4 loads and 4 stores per tile). Every store of the
+    H2SVC move kernel is a K/V row store, so all of them are 16-byte."""
+    for kernel in ("_move_kernel", "_frame_move_kernel"):
+        moves = [row for row in guard["rows"] if row["kernel"] == kernel]
+        assert {row["target"] for row in moves} == TARGETS, kernel
+        for row in moves:
+            assert row["mix"]["ld"].get("16", 0) >= 4 and row["mix"]["st"].get("16", 0) >= 4, \
+                f"{_where(row)}: row moves not vectorised: {row['mix']}"
+            if kernel == "_frame_move_kernel":
+                assert set(row["mix"]["st"]) == {"16"}, f"{_where(row)}: a narrow K/V store: {row['mix']}"
 
 
 def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
-    cases = guard_module.spec_cases()
+    cases = [c for c in guard_module.spec_cases() if isinstance(c, gpu_specs.SpecCase)]
     seen = {(c.dtype, c.mrope_section is not None, c.head_dim) for c in cases}
     assert seen == {(dtype, mrope, dim) for dtype in (torch.float16, torch.bfloat16, torch.float32)
                     for mrope in (False, True) for dim in (64, 128, 256)}
@@ -86,6 +91,47 @@ def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
         at = {(c.cfg.budget, c.reindex) for c in cases if c.label.startswith(model + " ")}
         assert at >= {(b, r) for b in (4000, 6000) for r in ("eager", "lazy", "given")}, model
     assert any(c.batch > 1 for c in cases)
+
+
+def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
+    cases = [c for c in guard_module.spec_cases() if isinstance(c, gpu_specs.H2SVCCase)]
+    seen = {(c.dtype, c.mrope_section is not None, c.head_dim, c.reindex) for c in cases}
+    assert seen == {(dtype, mrope, dim, reindex) for dtype in (torch.float16, torch.bfloat16, torch.float32)
+                    for mrope in (False, True) for dim in (64, 128, 256) for reindex in (False, True)}
+    for model in ("llava-ov-7b", "qwen2.5-vl-7b"):
+        at = {(c.chunk_frames, c.reindex, c.dtype) for c in cases if c.label.startswith(model + " ")}
+        assert at >= {(f, r, d) for f in (16, 8) for r in (False, True)
+                      for d in (torch.float16, torch.bfloat16, torch.float32)}, model
+    assert {c.batch for c in cases} == {1, 2}
+    # the default (depth-order) head map: every class has rows, so every block kind is driven
+    assert all(not c.cfg.profiled and c.classes == (INSTANT, SHORT, EPISODIC) for c in cases)
+    assert guard_module.spec_cases(policies=["hermes"]) == [c for c in guard_module.spec_cases()
+                                                            if isinstance(c, gpu_specs.SpecCase)]
+
+
+@pytest.mark.parametrize("reindex", [True, False])
+def test_h2svc_step_spec_launches_what_a_step_of_every_class_block_launches(reindex):
+    """The step's spec drives `h2svc_step_triton` on each class block of LLaVA-OV-7B (full memories, 16 frames):
+    features and STCE for the episodic block only, and one move per block with one work item per home slot when
+    re-indexing (every retained key rotates) or one per overflow slot (the F arrivals) otherwise."""
+    spec = next(s for s in gpu_specs.registered_specs() if s.name == f"{frame_update.__name__}._gpu_spec")
+    case = next(c for c in guard_module.spec_cases(["llava-ov-7b"], ["fp16"], [1], ["h2svc"])
+                if c.chunk_frames == 16 and c.reindex is reindex)
+    with recording() as launches:
+        spec.drive(case)
+    cfg, F, T = case.cfg, case.chunk_frames, case.cfg.tokens_per_frame
+    expected = []
+    for cls in (INSTANT, SHORT, EPISODIC):
+        rows, window = cfg.num_rows(cls), cfg.window(cls)
+        if cls == EPISODIC:
+            expected += [(frame_update._features._frame_features_kernel, rows * F),
+                         (frame_update._stce._stce_kernel, rows)]
+        expected.append((frame_update._frame_move_kernel, rows * (window if reindex else F)))
+    assert [(item.kernel, item.grid[0]) for item in launches] == expected
+    for item in launches:
+        if item.kernel is frame_update._frame_move_kernel:
+            assert item.meta["ROTATE"] is reindex
+            assert (item.grid[1] - 1) * item.meta["BLOCK_T"] < T <= item.grid[1] * item.meta["BLOCK_T"]
 
 
 # ---- the pieces ----------------------------------------------------------------------------------------------------
@@ -153,7 +199,8 @@ def _fake_kernel(name: str):
 
 def test_coverage_rules(monkeypatch):
     """A kernel without a spec, a spec that never launches a kernel it names, a spec launching a kernel it does
-    not name, and a driver that raises (a launcher reading device data, here a meta tensor) are all reported."""
+    not name, and a driver that raises (a launcher reading device data, here a meta tensor) are all reported; a
+    spec with no case of its type (here an H2SVC spec at a HERMES-style case) is not driven and not reported."""
     covered, unspecced, named_only, stray, host = (_fake_kernel(n) for n in ("covered", "unspecced", "named",
                                                                              "stray", "host"))
 
@@ -164,8 +211,13 @@ def test_coverage_rules(monkeypatch):
     def reads_the_device(case):
         launch(host, (int(torch.zeros(1, device="meta").sum()),))
 
-    specs = [gpu_specs.GpuSpec("fake.spec", (covered, named_only), drive, 0),
-             gpu_specs.GpuSpec("fake.host", (host,), reads_the_device, 0)]
+    def other_policy(case):
+        raise AssertionError("a spec is driven only at the cases of its type")
+
+    case_type = types.SimpleNamespace
+    specs = [gpu_specs.GpuSpec("fake.spec", (covered, named_only), drive, 0, case_type),
+             gpu_specs.GpuSpec("fake.host", (host,), reads_the_device, 0, case_type),
+             gpu_specs.GpuSpec("fake.h2svc", (named_only,), other_policy, 0, gpu_specs.H2SVCCase)]
     monkeypatch.setattr(gpu_specs, "registered_specs", lambda: specs)
     monkeypatch.setattr(gpu_specs, "jit_kernels", lambda: {gpu_specs.kernel_name(k): k
                                                            for k in (covered, unspecced, named_only, host)})
@@ -184,3 +236,5 @@ def test_gpu_spec_rejects_bad_arguments():
         gpu_specs.gpu_spec()
     with pytest.raises(ValueError, match="max_spill_bytes"):
         gpu_specs.gpu_spec(_fake_kernel("k"), max_spill_bytes=-1)
+    with pytest.raises(ValueError, match="case"):
+        gpu_specs.gpu_spec(_fake_kernel("k"), case=dict)

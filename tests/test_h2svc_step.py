@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import hermes_kernels as hk
+from hermes_kernels import frame_update
 from hermes.h2svc import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes.h2svc import reference as ref
 from hermes.rope import apply_rotary_delta
@@ -309,6 +310,23 @@ def test_fifo_windows_over_a_stream(cls, chunks, backend):
             assert sorted(row[:held]) == newest and row[held:] == [-1] * (W - held)
         frame_of_value = values[:, :, P:P + held * T, 0].cpu().view(H, B, held, T)
         assert torch.equal(frame_of_value, slot_frames[..., :held].cpu().unsqueeze(-1).float().expand(-1, -1, -1, T))
+
+
+# 5 tokens per frame in tiles of 2 (a rotation, or an fp32 copy) or 4 (a 16-bit copy): a partial last tile
+TILED_CASES = [
+    Case(EPISODIC, 4, 2, "1d", True, F32, "view"),
+    Case(SHORT, 3, 2, "mrope", False, BF16, "contiguous"),
+    Case(INSTANT, 2, 5, "mrope", True, F16, "view"),
+]
+
+
+@pytest.mark.parametrize("case", TILED_CASES, ids=lambda c: c.id)
+def test_triton_moves_frames_in_token_tiles(case, monkeypatch):
+    """A frame's T_f tokens span several token tiles of the move kernel (grid axis 1) at the 7B shapes (196 tokens
+    in tiles of 16 or 32); here tiles of 64 bytes per K/V half (D = 16: 2 tokens held in float32, 4 in a 16-bit
+    copy) cover T_f = 5."""
+    monkeypatch.setattr(frame_update, "_TILE_BYTES", 64)
+    run_case(H2SVCConfig(**{**CONFIG, "tokens_per_frame": 5}), case, "triton", seed=100 + TILED_CASES.index(case))
 
 
 def launches_for(cls: int, num_layers: int, B: int) -> int:
