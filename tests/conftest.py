@@ -23,3 +23,31 @@ def backend(request, monkeypatch):
         monkeypatch.setenv("HERMES_KERNELS_NATIVE", "0")
         return "torch"
     return request.param
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread, restored afterwards. Tiny models are latency-bound: on a shared 2-core runner OpenMP
+    spin-waits make their forwards up to 100x slower, and one thread also gives the same float sums as a
+    `--threads 1` subprocess. Modules opt in with `pytestmark = pytest.mark.usefixtures("single_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY_FAMILIES = ("llava_onevision", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """model_type -> folder of a tiny random-weight checkpoint saved with save_pretrained (no download)."""
+    from bench.tiny_models import save_tiny_checkpoint
+    return {family: save_tiny_checkpoint(tmp_path_factory.mktemp(family), family) for family in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+    """model_type -> `hermes.cli.load_model` of the tiny checkpoint on the CPU."""
+    from hermes.cli import load_model
+    return {family: load_model(path, device="cpu") for family, path in tiny_checkpoints.items()}

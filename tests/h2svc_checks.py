@@ -24,13 +24,6 @@ INTERLEAVED_MAP = [[INSTANT, SHORT, INSTANT, EPISODIC], [EPISODIC, SHORT, EPISOD
 SECONDS_PER_GRID = 4.0
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """One intra-op thread (as tests/stream_checks.py): tiny models are latency-bound on a shared runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def video_frames(case, frames: int) -> int:

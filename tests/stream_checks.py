@@ -9,6 +9,7 @@ or eager for attention maps) over the full sequence or over a `DynamicCache` hol
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable
 
 import pytest
@@ -17,6 +18,7 @@ from transformers import DynamicCache
 
 from bench.soak import live_tensors
 from bench.tiny_models import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
+import hermes.attention
 from hermes.attention import attention_implementation
 from hermes.config import DEEP
 from hermes.guidance import GuidancePlan
@@ -191,14 +193,6 @@ def assert_unchanged(stream: HermesStream, before: tuple) -> None:
             assert torch.equal(x, y), f"{name} of layer {layer} changed"
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny models are latency-bound: one intra-op thread avoids OpenMP spin-waits on a shared 2-core runner
-    (100x slower forwards under load); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---- the checks ---------------------------------------------------------------------------------------------
@@ -476,3 +470,38 @@ def test_bad_input_raises_and_leaves_cache_unchanged(case):
         make_stream(case, model, budget=1)
     with pytest.raises(ValueError, match="backend"):
         make_stream(case, model, budget=40, backend="cuda")
+
+
+def run_in_two_threads(monkeypatch, drive, streams: list, meetings: int) -> list:
+    """`drive(streams[i], i)` for i = 0, 1 in two threads on one model; returns their results in order. For the
+    first `meetings` attention calls of each thread (one per layer and forward) the threads meet at a barrier
+    between the layer's cache write and its attention, so each reads the shared model while the other has just
+    written its own cache. An exception in a thread is re-raised here; a hung thread fails the test."""
+    barrier = threading.Barrier(2, timeout=60)
+    local, claim = threading.local(), hermes.attention.claim_update
+
+    def claim_after_both_wrote(key):
+        local.met = getattr(local, "met", 0) + 1
+        if local.met <= meetings:
+            barrier.wait()
+        return claim(key)
+
+    monkeypatch.setattr(hermes.attention, "claim_update", claim_after_both_wrote)
+    results, errors = [None, None], []
+
+    def run(index):
+        try:
+            results[index] = drive(streams[index], index)
+        except BaseException as error:  # re-raised below, in the test's thread
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+    return results

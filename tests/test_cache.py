@@ -17,9 +17,10 @@ from hermes import reference as ref
 from hermes.attention import HERMES_ATTENTION, patch_model
 from hermes.cache import HermesCache, claim_update
 from hermes.guidance import GLOBAL, LOCAL, GuidancePlan, guidance_prompts
-from tests.stream_checks import single_thread  # noqa: F401 (autouse fixture)
 from bench.tiny_models import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, poison_
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 SECTION = [2, 3, 3]
 

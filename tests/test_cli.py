@@ -26,7 +26,7 @@ from transformers.utils import is_torchvision_available
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 import hermes.models.processing
-from bench.tiny_models import TINY_QWEN_PIXELS, save_tiny_checkpoint
+from bench.tiny_models import TINY_QWEN_PIXELS
 from hermes import cli
 from hermes.h2svc import HeadProfile, save_head_map
 from hermes.models import family_of_type
@@ -36,6 +36,8 @@ from hermes.models.qwen2_5_vl import Qwen2_5_VLPilVideoProcessor
 from hermes.stream import HermesStream
 from tests.video_files import HEIGHT, WIDTH, decode_all, frame_index, write_video
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 FAMILIES = ("llava_onevision", "qwen2_5_vl")
 QUESTION = "what is the person holding ?"
 EARLY = "where is the ball ?"
@@ -44,26 +46,6 @@ EARLY = "where is the ball ?"
 RUN = dict(fps=1, chunk_frames=4, budget=20, max_new_tokens=6)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMINGS = ("prepare_ms", "latency_ms")
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """One intra-op thread: the same float sums as the subprocess (--threads 1), and no OpenMP spin on a shared
-    runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {family: save_tiny_checkpoint(tmp_path_factory.mktemp(family), family) for family in FAMILIES}
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoints):
-    return {family: cli.load_model(path, device="cpu") for family, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")
@@ -192,22 +174,22 @@ def test_qwen_twin_settings_follow_the_video_processors_init(loaded):
         Qwen2_5_VLPilVideoProcessor(object(), {})
 
 
-def test_load_processor_takes_autoprocessor_when_torchvision_imports(checkpoints, monkeypatch):
+def test_load_processor_takes_autoprocessor_when_torchvision_imports(tiny_checkpoints, monkeypatch):
     """The GPU path: with torchvision the checkpoint's own processor (AutoProcessor) is used as is."""
     loaded_from = []
     monkeypatch.setattr(hermes.models.processing, "is_torchvision_available", lambda: True)
     monkeypatch.setattr(AutoProcessor, "from_pretrained", lambda path: loaded_from.append(path) or "real")
-    assert load_processor(checkpoints["qwen2_5_vl"], family_of_type("qwen2_5_vl")) == "real"
-    assert loaded_from == [checkpoints["qwen2_5_vl"]]
+    assert load_processor(tiny_checkpoints["qwen2_5_vl"], family_of_type("qwen2_5_vl")) == "real"
+    assert loaded_from == [tiny_checkpoints["qwen2_5_vl"]]
 
 
 @pytest.mark.skipif(not is_torchvision_available(), reason="transformers' video processors need torchvision "
                     "(runs on machines that have it, e.g. bench/gpu_check.sh)")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_twins_match_the_real_video_processors(checkpoints, family):
+def test_twins_match_the_real_video_processors(tiny_checkpoints, family):
     """Frames already at the processed size (no resampling, where torchvision and PIL differ): the twin and
     transformers' video processor give the same tensors; at another size the same shapes and grid."""
-    path = checkpoints[family]
+    path = tiny_checkpoints[family]
     real = AutoProcessor.from_pretrained(path).video_processor
     config, _ = BaseVideoProcessor.get_video_processor_dict(path)
     twin = family_of_type(family).pil_video_processor(AutoImageProcessor.from_pretrained(path, backend="pil"), config)
@@ -272,11 +254,11 @@ def test_run_matches_hermes_stream_driven_directly(family, loaded, videos, runs)
     assert all(a["answer"] for a in asked)
 
 
-def test_command_json_in_a_subprocess(checkpoints, videos, runs):
+def test_command_json_in_a_subprocess(tiny_checkpoints, videos, runs):
     """`python -m hermes ... --json`: exit 0, every stdout line a JSON record, the same records as `run` (and
     so as HermesStream driven directly); the progress bar went to stderr."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sys.executable, "-m", "hermes", "--model", checkpoints["llava_onevision"], "--video", videos["cfr"],
+    command = [sys.executable, "-m", "hermes", "--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"],
                "--question", QUESTION, "--ask-at", f"5s:{EARLY}", "--fps", "1", "--chunk-frames", "4", "--budget",
                "20", "--max-new-tokens", "6", "--device", "cpu", "--threads", "1", "--json"]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -287,22 +269,22 @@ def test_command_json_in_a_subprocess(checkpoints, videos, runs):
     assert without_timings(records) == without_timings(runs("llava_onevision"))
 
 
-def test_variable_frame_rate_file_and_late_questions(checkpoints, videos):
+def test_variable_frame_rate_file_and_late_questions(tiny_checkpoints, videos):
     """From a path: the VFR file's chunks hold the frames on screen at 0, 1, 2, 3 s; a question timed past the
     end is asked after the last chunk; `on_record` sees every record as it is returned."""
     seen = []
-    records = cli.run(checkpoints["llava_onevision"], videos["vfr"], ask_at=[(60, QUESTION)], fps=1,
+    records = cli.run(tiny_checkpoints["llava_onevision"], videos["vfr"], ask_at=[(60, QUESTION)], fps=1,
                       chunk_frames=2, budget=20, max_new_tokens=2, device="cpu", on_record=seen.append)
     assert seen == records
     assert [r["sources"] for r in records if r["type"] == "chunk"] == [[0, 2], [4, 5]]
     assert [(r["type"], r.get("at")) for r in records[2:]] == [("answer", 3.0)]
 
 
-def test_text_output_with_questions_from_the_terminal(checkpoints, videos, capsys, monkeypatch):
+def test_text_output_with_questions_from_the_terminal(tiny_checkpoints, videos, capsys, monkeypatch):
     """No --question / --ask-at: questions come from stdin, one a line, until an empty line."""
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{QUESTION}\n{EARLY}\n\nnever asked\n"))
-    argv = ["--model", checkpoints["qwen2_5_vl"], "--video", videos["cfr"], "--chunk-frames", "4", "--budget", "20",
-            "--max-new-tokens", "3", "--device", "cpu", "--quiet"]
+    argv = ["--model", tiny_checkpoints["qwen2_5_vl"], "--video", videos["cfr"], "--chunk-frames", "4", "--budget",
+            "20", "--max-new-tokens", "3", "--device", "cpu", "--quiet"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split("Q: ")[1] for line in out if "Q: " in line] == [QUESTION, EARLY]
@@ -354,10 +336,10 @@ def test_h2svc_run_matches_the_stream_driven_directly(family, loaded, videos, he
     assert [r["answer"] for r in records if r["type"] == "answer"] == answers
 
 
-def test_h2svc_command_line(checkpoints, videos, head_maps, capsys):
+def test_h2svc_command_line(tiny_checkpoints, videos, head_maps, capsys):
     """`--policy h2svc --head-map PATH` from the command line answers; without --head-map the unprofiled default
     map is used with a warning."""
-    argv = ["--model", checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4", "--policy",
+    argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4", "--policy",
             "h2svc", "--question", QUESTION, "--max-new-tokens", "3", "--device", "cpu", "--quiet", "--json"]
     assert cli.main(argv + ["--head-map", head_maps["llava_onevision"]]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -401,7 +383,8 @@ def bad_inputs(tmp_path_factory, videos):
     ("unknown model type", ["--model", "{llama}"], r"model type 'llama' is not supported; supported: llava_onevision"),
     ("shorter than one chunk", ["--video", "{short}"], r"video: 3 frames sampled at 1 fps, fewer than one chunk of 4"),
     ("budget too small", ["--budget", "1"], r"budget=1.*HermesConfig\.budget: must be >= 2"),
-    ("budget past the positions", ["--budget", "5000"], r"budget=5000.*max_positions: must exceed prefix_len \+ budget"),
+    ("budget past the positions", ["--budget", "5000"],
+     r"budget=5000.*max_positions: must exceed prefix_len \+ budget"),
     ("bad fps", ["--fps", "0"], r"fps: expected a positive finite number"),
     ("bad chunk", ["--chunk-frames", "0"], r"chunk_frames: expected a positive int"),
     ("bad ask-at", ["--ask-at", "soon:what ?"], r"ask_at: expected TIME:question"),
@@ -412,22 +395,22 @@ def bad_inputs(tmp_path_factory, videos):
     ("unknown device", ["--device", "tpu"], r"device: expected"),
     ("bad threads", ["--threads", "0"], r"threads: expected a positive int"),
 ])
-def test_bad_input_is_one_clear_line(case, args, message, checkpoints, videos, bad_inputs, head_maps, capsys):
+def test_bad_input_is_one_clear_line(case, args, message, tiny_checkpoints, videos, bad_inputs, head_maps, capsys):
     paths = {**bad_inputs, **videos, "map": head_maps["llava_onevision"], "qwen_map": head_maps["qwen2_5_vl"]}
-    argv = ["--model", checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4",
+    argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4",
             "--question", "yes", "--quiet", "--device", "cpu"] + [a.format(**paths) for a in args]
     assert re.search(message, error_of(capsys, argv))
     assert capsys.readouterr().out == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
-def test_cuda_without_a_gpu_is_one_clear_line(checkpoints, videos, capsys):
-    line = error_of(capsys, ["--model", checkpoints["llava_onevision"], "--video", videos["cfr"], "--device", "cuda",
-                             "--question", "yes", "--quiet"])
+def test_cuda_without_a_gpu_is_one_clear_line(tiny_checkpoints, videos, capsys):
+    line = error_of(capsys, ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--device",
+                             "cuda", "--question", "yes", "--quiet"])
     assert "device: cuda was asked for but torch sees no CUDA device" in line
 
 
-def test_decoder_failing_mid_stream(checkpoints, videos, capsys, monkeypatch):
+def test_decoder_failing_mid_stream(tiny_checkpoints, videos, capsys, monkeypatch):
     """A decoding error after 5 s of video (injected into PyAV) stops the command with one line naming the
     time reached; the chunk done before it was already printed."""
     real_decode = av.container.InputContainer.decode
@@ -439,7 +422,7 @@ def test_decoder_failing_mid_stream(checkpoints, videos, capsys, monkeypatch):
             yield frame
 
     monkeypatch.setattr(av.container.InputContainer, "decode", failing_decode)
-    argv = ["--model", checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4", "--budget",
+    argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4", "--budget",
             "20", "--question", "yes", "--json", "--quiet", "--device", "cpu"]
     assert cli.main(argv) == 1
     captured = capsys.readouterr()
@@ -449,14 +432,14 @@ def test_decoder_failing_mid_stream(checkpoints, videos, capsys, monkeypatch):
     assert [json.loads(line)["type"] for line in captured.out.splitlines()] == ["chunk"]
 
 
-def test_unexpected_errors_are_one_line_unless_traceback_is_asked(checkpoints, videos, capsys, monkeypatch):
+def test_unexpected_errors_are_one_line_unless_traceback_is_asked(tiny_checkpoints, videos, capsys, monkeypatch):
     family = type(family_of_type("llava_onevision"))
 
     def broken(self, processor, frames, fps):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(family, "prepare_frames", broken)
-    argv = ["--model", checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4",
+    argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4",
             "--question", "yes", "--quiet", "--device", "cpu"]
     line = error_of(capsys, argv)
     assert line == "error: internal error (RuntimeError: boom); rerun with --traceback for details"

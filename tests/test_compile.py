@@ -5,8 +5,8 @@ vectorised, and no kernel of the package goes without a spec.
 The guard runs once per session as `python -m bench.kernels --json` in a subprocess without TRITON_INTERPRET: this
 process runs the interpreter when there is no GPU, and then @triton.jit makes interpreter objects, which cannot be
 compiled. Compiled results are cached under Triton's cache dir, keyed by Triton's own compile key, so a run after an
-unchanged kernel costs seconds (about 10 on 2 shared cores); a cold run about a minute and a half. The pieces it is made of (occupancy, ptxas log
-and PTX parsing, launch recording, the coverage rules) are tested here directly.
+unchanged kernel costs seconds (about 10 on 2 shared cores); a cold run about a minute and a half. The pieces it is
+made of (occupancy, ptxas log and PTX parsing, launch recording, the coverage rules) are tested here directly.
 """
 from __future__ import annotations
 

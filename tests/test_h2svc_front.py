@@ -5,12 +5,10 @@ writes), two streams in lockstep vs each alone, ragged questions, two threads, r
 blocks per device (laid out on one device) vs one block per class.
 """
 import functools
-import threading
 
 import pytest
 import torch
 
-import hermes.attention
 import hermes.h2svc.policy
 import hermes_kernels as hk
 from bench.tiny_models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
@@ -19,8 +17,11 @@ from hermes.h2svc import (CLASS_NAMES, EPISODIC, INSTANT, SHORT, H2SVCConfig, He
 from hermes.h2svc.cache import H2SVCCache
 from hermes.stream import HermesStream
 from tests.h2svc_checks import (CASES, MIXED_MAP, QUESTION, assert_same_buffers, assert_unchanged, chunk, h2svc_stream,
-                                merge, single_thread, snapshot, whole_buffers)  # noqa: F401 (autouse fixture)
+                                merge, snapshot, whole_buffers)
+from tests.stream_checks import run_in_two_threads
 from tests.utils import assert_close_verbose
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 FRAMES = 2
 WINDOWS = dict(instant_frames=1, short_frames=2, episodic_frames=3)  # every chunk after the second evicts
@@ -311,33 +312,7 @@ def test_two_threads_two_streams_one_model(case, monkeypatch):
 
     expected = [drive(stream_of(case, model), i) for i in range(2)]
     streams = [stream_of(case, model) for _ in range(2)]
-    barrier = threading.Barrier(2, timeout=60)
-    local, claim = threading.local(), hermes.attention.claim_update
-
-    def claim_after_both_wrote(key):
-        local.met = getattr(local, "met", 0) + 1
-        if local.met <= 2 * model.config.text_config.num_hidden_layers:
-            barrier.wait()
-        return claim(key)
-
-    monkeypatch.setattr(hermes.attention, "claim_update", claim_after_both_wrote)
-    results, errors = [None, None], []
-
-    def run(index):
-        try:
-            results[index] = drive(streams[index], index)
-        except BaseException as error:  # re-raised in the test's thread
-            errors.append(error)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not any(thread.is_alive() for thread in threads), "a thread hung"
-    if errors:
-        raise errors[0]
+    results = run_in_two_threads(monkeypatch, drive, streams, 2 * model.config.text_config.num_hidden_layers)
     for (answer, logits), (want_answer, want_logits) in zip(results, expected):
         assert answer == want_answer and torch.equal(logits, want_logits)
 

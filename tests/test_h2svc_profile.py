@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.tiny_models import save_tiny_checkpoint, tiny_llava_ov
-from hermes.cli import load_model
+from bench.tiny_models import tiny_llava_ov
 from hermes.h2svc import H2SVCConfig, class_counts, load_head_map, save_head_map
 from hermes.h2svc import profile as profiler
 from hermes.h2svc.head_map import FORMAT
@@ -28,6 +27,8 @@ from hermes.video import VideoReader
 from tests.utils import assert_close_verbose
 from tests.video_files import frame_image, write_video
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 FAMILIES = ("llava_onevision", "qwen2_5_vl")
 QUESTIONS = ("what is the person holding ?", "where is the ball ?")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,23 +36,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAD_TOL = dict(atol=2e-6, rtol=2e-6)
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """One intra-op thread: no OpenMP spin-waits on a shared runner, the same float sums as the subprocess."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {family: save_tiny_checkpoint(tmp_path_factory.mktemp(family), family) for family in FAMILIES}
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoints):
-    return {family: load_model(path, device="cpu") for family, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")
@@ -356,13 +340,14 @@ def error_of(capsys, argv) -> str:
     return lines[0]
 
 
-def test_command_writes_a_map_that_loads(checkpoints, loaded, files, tmp_path):
+def test_command_writes_a_map_that_loads(tiny_checkpoints, loaded, files, tmp_path):
     """The real command in a subprocess: exit 0, a summary on stdout, a map that loads for the model and equals
     the in-process profile of the same clip."""
     out = tmp_path / "map.json"
     result = subprocess.run(
-        [sys.executable, "-m", "hermes.h2svc.profile", "--model", checkpoints["qwen2_5_vl"], "--videos", files["clip"],
-         "--out", str(out), "--chunk-frames", "4", "--question", QUESTIONS[0], "--threads", "1", "--quiet"],
+        [sys.executable, "-m", "hermes.h2svc.profile", "--model", tiny_checkpoints["qwen2_5_vl"], "--videos",
+         files["clip"], "--out", str(out), "--chunk-frames", "4", "--question", QUESTIONS[0], "--threads", "1",
+         "--quiet"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"wrote {out}: qwen2_5_vl") and "layer 3:" in result.stdout
@@ -371,14 +356,14 @@ def test_command_writes_a_map_that_loads(checkpoints, loaded, files, tmp_path):
     back = load_head_map(out, model)
     expected = profile_heads(model, loaded["qwen2_5_vl"].processor, [files["clip"]], chunk_frames=4,
                              questions=QUESTIONS[0], progress=False)
-    assert back.model_name == checkpoints["qwen2_5_vl"] and back.clips[0]["source"] == files["clip"]
+    assert back.model_name == tiny_checkpoints["qwen2_5_vl"] and back.clips[0]["source"] == files["clip"]
     assert_close_verbose(back.v2v, expected.v2v, name="command V2V", **TAD_TOL)
     assert_close_verbose(back.t2v, expected.t2v, name="command T2V", **TAD_TOL)
     assert torch.equal(back.head_map, expected.head_map)
 
 
-def test_command_errors_are_one_line(checkpoints, files, tmp_path, capsys):
-    model = checkpoints["llava_onevision"]
+def test_command_errors_are_one_line(tiny_checkpoints, files, tmp_path, capsys):
+    model = tiny_checkpoints["llava_onevision"]
     out = str(tmp_path / "map.json")
     base = ["--model", model, "--out", out, "--videos"]
     assert "no such file" in error_of(capsys, base + [str(tmp_path / "missing.mp4")])

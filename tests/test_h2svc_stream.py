@@ -17,9 +17,11 @@ from bench.tiny_models import tiny_llava_ov
 from hermes.h2svc import CLASS_NAMES, EPISODIC
 from hermes.h2svc import reference as ref
 from tests.h2svc_checks import (CASES, INTERLEAVED_MAP, QUESTION, chunk, h2svc_stream, masked_reference_logits,
-                                reference_sequence, single_thread, window_masks)  # noqa: F401 (autouse fixture)
+                                reference_sequence, window_masks)
 from tests.stream_checks import reference_greedy, reference_logits, rope_at
 from tests.utils import assert_close_verbose
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(params=list(CASES))

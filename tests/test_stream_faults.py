@@ -20,7 +20,9 @@ import pytest
 import torch
 
 import hermes_kernels as hk
-from tests.stream_checks import CASES, QUESTION, make_stream, single_thread, snapshot  # noqa: F401 (autouse fixture)
+from tests.stream_checks import CASES, QUESTION, make_stream, snapshot
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 COMPACT = importlib.import_module("hermes_kernels.compact")  # the module (hk.compact is the op)
 PHASES = ("vision", "first layer", "last layer", "guidance", "validation")

@@ -8,8 +8,10 @@ and the caches are byte-identical after every step.
 import pytest
 import torch
 
-from tests.stream_checks import CASES, QUESTION, make_stream, single_thread  # noqa: F401 (autouse fixture)
+from tests.stream_checks import CASES, QUESTION, make_stream
 from tests.utils import assert_close_verbose
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(params=list(CASES))

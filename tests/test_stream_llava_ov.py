@@ -9,6 +9,8 @@ from hermes.models.llava_ov import LlavaOneVision
 from tests.stream_checks import *  # noqa: F401,F403 (the shared checks are collected here)
 from tests.stream_checks import CASES
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.fixture
 def case():

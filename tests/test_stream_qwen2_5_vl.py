@@ -9,6 +9,8 @@ from hermes.stream import HermesStream
 from tests.stream_checks import *  # noqa: F401,F403 (the shared checks are collected here)
 from tests.stream_checks import CASES, QUESTION, QWEN_FRAMES
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.fixture
 def case():

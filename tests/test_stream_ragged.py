@@ -7,8 +7,10 @@ prefill and of every decode step. So each stream's logits and greedy answer equa
 import pytest
 import torch
 
-from tests.stream_checks import CASES, QUESTION, make_stream, single_thread  # noqa: F401 (autouse fixture)
+from tests.stream_checks import CASES, QUESTION, make_stream
 from tests.utils import assert_close_verbose
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 QUESTIONS = ["yes", QUESTION + " where is the red cup ?"]
 

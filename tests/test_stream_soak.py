@@ -6,7 +6,8 @@ import torch
 
 import hermes.stream
 from bench.soak import FAMILIES, SoakFailure, main, soak
-from tests.stream_checks import single_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,13 +6,12 @@ forwards meet at a barrier between each layer's cache write and its attention ca
 before either claims. A process-wide hand-off then gives one thread the other's keys (or none) and its results
 go wrong; the per-thread one keeps both right. After the barrier phase the threads run freely.
 """
-import threading
-
 import pytest
 import torch
 
-import hermes.attention
-from tests.stream_checks import CASES, QUESTION, make_stream, single_thread  # noqa: F401 (autouse fixture)
+from tests.stream_checks import CASES, QUESTION, make_stream, run_in_two_threads
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 CHUNKS = 5
 ASK_AT = 2
@@ -53,34 +52,8 @@ def test_two_threads_two_streams_one_model(case, monkeypatch):
     one_after_other = [drive(make_stream(case, model, budget=40), chunks[i], questions[i]) for i in range(2)]
 
     streams = [make_stream(case, model, budget=40) for _ in range(2)]
-    barrier = threading.Barrier(2, timeout=60)
     meetings = 2 * streams[0].cfg.num_layers  # the first two forwards of each thread, every layer
-    local = threading.local()
-    claim = hermes.attention.claim_update
-
-    def claim_after_both_wrote(key):
-        local.met = getattr(local, "met", 0) + 1
-        if local.met <= meetings:
-            barrier.wait()
-        return claim(key)
-
-    monkeypatch.setattr(hermes.attention, "claim_update", claim_after_both_wrote)
-    results, errors = [None, None], []
-
-    def run(index):
-        try:
-            results[index] = drive(streams[index], chunks[index], questions[index])
-        except BaseException as error:  # re-raised below, in the test's thread
-            errors.append(error)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not any(thread.is_alive() for thread in threads), "a thread hung"
-    if errors:
-        raise errors[0]
+    results = run_in_two_threads(monkeypatch, lambda stream, i: drive(stream, chunks[i], questions[i]), streams,
+                                 meetings)
     for index in range(2):
         assert_same_run(results[index], one_after_other[index], f"stream {index}")
