@@ -135,16 +135,21 @@ def _dense_rank_counting(values: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     """`_dense_rank` of CPU tensors by counting instead of sorting; ranks of invalid lanes are unspecified.
 
     Each row marks its valid values in a presence table over the row's span (max - min + 1), prefix-sums it and
-    reads every value's rank back: linear in n + span. The spans are read on the host (free on CPU tensors); if
-    the widest is over max(4n, 2^16) (positions far apart), the sort of `_dense_rank` is cheaper and used.
+    reads every value's rank back: linear in n + span; in C (compact_cpu.c) when the library is available, else in
+    torch ops, which read the spans on the host (free on CPU tensors). If the widest span is over max(4n, 2^16)
+    (positions far apart), the sort of `_dense_rank` is cheaper and used.
     """
     n = values.shape[-1]
+    widest = max(4 * n, 1 << 16)
+    lib = native.library("compact_cpu")
+    if lib is not None:
+        return _dense_rank_native(lib, values, valid, widest)
     rows = values.reshape(-1, n)
     ok = valid.expand_as(values).reshape(-1, n)
     low = rows.masked_fill(~ok, _BIG).amin(dim=-1, keepdim=True)
     high = rows.masked_fill(~ok, -_BIG).amax(dim=-1, keepdim=True)
     span = int((high - low).amax()) + 1 if rows.numel() else 0
-    if span > max(4 * n, 1 << 16):
+    if span > widest:
         return _dense_rank(values, valid)
     # invalid lanes (and rows without a valid value) land in the extra column `span`, past every valid one
     column = torch.where(ok, rows - low, span).clamp_(0, span)
@@ -152,6 +157,28 @@ def _dense_rank_counting(values: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     present.scatter_(1, column, 1)
     rank = present.cumsum_(1).sub_(1)
     return rank.gather(1, column).to(torch.int64).view(values.shape)
+
+
+def _dense_rank_native(lib: ctypes.CDLL, values: torch.Tensor, valid: torch.Tensor, widest: int) -> torch.Tensor:
+    """`_dense_rank_counting` in one call of compact_cpu.c's `hermes_dense_rank` (a presence table per row, one
+    pass per lane: the torch ops' ten passes over the positions cost the H2SVC step at the 7B shape about 15 ms);
+    rows whose span is wider than `widest` make it return 3 and the sort ranks instead. Invalid lanes rank past
+    every valid one (unspecified for callers, as in the torch ops)."""
+    n = values.shape[-1]
+    rows = values.reshape(-1, n).contiguous()
+    every = valid.numel() == 1 and bool(valid.reshape(()))  # host read of a CPU tensor: free
+    ok = None if every else valid.expand_as(values).reshape(-1, n).to(torch.uint8).contiguous()
+    rank = torch.empty_like(rows)
+    ptr = ctypes.c_void_p
+    status = lib.hermes_dense_rank(ptr(rows.data_ptr()), None if ok is None else ptr(ok.data_ptr()),
+                                   ctypes.c_int64(rows.shape[0]), ctypes.c_int64(n), ctypes.c_int64(widest),
+                                   ptr(rank.data_ptr()), ctypes.c_int(torch.get_num_threads()))
+    if status == 3:
+        return _dense_rank(values, valid)
+    if status != 0:
+        raise RuntimeError(f"compact_cpu.c: hermes_dense_rank returned {status} (2: a worker thread failed or a "
+                           "presence table could not be allocated)")
+    return rank.view(values.shape)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_THREADS 256
@@ -200,4 +201,90 @@ int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const
     for (int t = started + 1; t < threads; ++t) worker(&jobs[t]);
     for (int t = 1; t <= started; ++t) status |= pthread_join(ids[t], NULL);
     return status ? 2 : 0;
+}
+
+/* Dense ranks by counting, for the position re-index of both policies' planning (`_dense_rank_counting` in
+ * compact.py). Row r of values [rows, n]: rank[i] = the number of distinct valid values of the row below values[i]
+ * (0-based dense rank); an invalid lane (valid[i] == 0; valid NULL: all valid) gets the row's distinct count, past
+ * every valid rank. Per row: min/max of the valid values, a presence table over that span, an exclusive prefix
+ * count, one lookup per lane: linear in n + span. A row whose span exceeds max_span (values far apart, where a
+ * sort is cheaper) stops the call with status 3 and the caller sorts instead. */
+typedef struct {
+    const int64_t *values;
+    const uint8_t *valid;
+    int64_t *rank;
+    int64_t rows, n, max_span;
+    int threads, worker, failed;
+} rank_job_t;
+
+static void *rank_worker(void *arg) {
+    rank_job_t *j = (rank_job_t *)arg;
+    int64_t capacity = 0;
+    int64_t *table = NULL;
+    for (int64_t r = j->worker; r < j->rows; r += j->threads) {
+        const int64_t *x = j->values + r * j->n;
+        const uint8_t *ok = j->valid ? j->valid + r * j->n : NULL;
+        int64_t *out = j->rank + r * j->n;
+        int64_t low = INT64_MAX, high = INT64_MIN;
+        for (int64_t i = 0; i < j->n; ++i) {
+            if (ok && !ok[i]) continue;
+            if (x[i] < low) low = x[i];
+            if (x[i] > high) high = x[i];
+        }
+        if (low > high) { /* no valid lane */
+            for (int64_t i = 0; i < j->n; ++i) out[i] = 0;
+            continue;
+        }
+        if (high - low >= j->max_span) {
+            j->failed = 3;
+            break;
+        }
+        const int64_t span = high - low + 1;
+        if (span > capacity) {
+            free(table);
+            table = (int64_t *)malloc((size_t)span * sizeof(int64_t));
+            capacity = table ? span : 0;
+            if (!table) {
+                j->failed = 2;
+                return NULL;
+            }
+        }
+        memset(table, 0, (size_t)span * sizeof(int64_t));
+        for (int64_t i = 0; i < j->n; ++i)
+            if (!ok || ok[i]) table[x[i] - low] = 1;
+        int64_t distinct = 0;
+        for (int64_t v = 0; v < span; ++v) {
+            const int64_t present = table[v];
+            table[v] = distinct;
+            distinct += present;
+        }
+        for (int64_t i = 0; i < j->n; ++i) out[i] = (!ok || ok[i]) ? table[x[i] - low] : distinct;
+    }
+    free(table);
+    return NULL;
+}
+
+/* Returns 0 on success; 3 if a row's span exceeds max_span; 2 if a worker thread could not be joined or a table
+ * could not be allocated (rank is incomplete unless 0). Rows of workers whose thread could not start run on the
+ * calling thread. */
+int hermes_dense_rank(const int64_t *values, const uint8_t *valid, int64_t rows, int64_t n, int64_t max_span,
+                      int64_t *rank, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > rows) threads = rows > 0 ? (int)rows : 1;
+    rank_job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started = 0, status = 0;
+    for (int t = 0; t < threads; ++t) jobs[t] = (rank_job_t){values, valid, rank, rows, n, max_span, threads, t, 0};
+    for (int t = 1; t < threads; ++t) {
+        if (pthread_create(&ids[t], NULL, rank_worker, &jobs[t]) != 0) break;
+        started = t;
+    }
+    rank_worker(&jobs[0]);
+    for (int t = started + 1; t < threads; ++t) rank_worker(&jobs[t]);
+    for (int t = 1; t <= started; ++t) status |= pthread_join(ids[t], NULL);
+    if (status) return 2;
+    for (int t = 0; t < threads; ++t)
+        if (jobs[t].failed) status = status > jobs[t].failed ? status : jobs[t].failed;
+    return status;
 }

@@ -513,21 +513,36 @@ def test_angle_table_rows_equal_the_per_token_angles(spread):
     assert none == -1
 
 
+@pytest.mark.parametrize("in_c", [True, False], ids=["C", "torch-ops"])
+@pytest.mark.parametrize("mask", ["lanes", "all"])
 @pytest.mark.parametrize("spread", [1, 100_003])
-def test_counting_dense_rank_equals_the_sorting_one(spread, monkeypatch):
-    """The C walk's planning ranks positions by counting (linear in the span), falling back to the sort when the
-    span is wide: both give the sort's ranks on every valid lane, with repeats, rows in no order and a row
-    without any valid lane."""
+def test_counting_dense_rank_equals_the_sorting_one(spread, mask, in_c, monkeypatch):
+    """CPU planning (HERMES's compaction, H2SVC's re-index) ranks positions by counting (linear in the span; in C
+    when the library builds, else torch ops), falling back to the sort when the span is wide: every path gives the
+    sort's ranks on every valid lane, with repeats, negative values, rows in no order and a row without any valid
+    lane; invalid lanes rank past every valid one of their row."""
+    if in_c:
+        require_c_compiler()
+    else:
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
     g = torch.Generator().manual_seed(73)
-    values = torch.randint(0, 40, (3, 2, 3, 23), generator=g) * spread + 5
-    valid = torch.rand(3, 2, 1, 23, generator=g) < 0.7
-    valid[1, 0] = False
-    sort_rank, calls = compact_module._dense_rank, []
+    values = torch.randint(-20, 20, (3, 2, 3, 23), generator=g) * spread + 5
+    valid = torch.rand(3, 2, 1, 23, generator=g) < 0.7 if mask == "lanes" else torch.ones(1, dtype=torch.bool)
+    if mask == "lanes":
+        valid[1, 0] = False
+    sort_rank, calls, in_c_calls = compact_module._dense_rank, [], []
+    native_rank = compact_module._dense_rank_native
     monkeypatch.setattr(compact_module, "_dense_rank", lambda *a: calls.append(1) or sort_rank(*a))
+    monkeypatch.setattr(compact_module, "_dense_rank_native", lambda *a: in_c_calls.append(1) or native_rank(*a))
     got = compact_module._dense_rank_counting(values, valid)
     want = sort_rank(values, valid)
-    assert torch.equal(got[valid.expand_as(values)], want[valid.expand_as(values)])
+    ok = valid.expand_as(values)
+    assert torch.equal(got[ok], want[ok])
     assert len(calls) == (spread > 1), "the wide span should fall back to the sort, the narrow one count"
+    assert len(in_c_calls) == in_c, "the C rank should run exactly when the library is available"
+    if spread == 1 and mask == "lanes":
+        past = got.masked_fill(ok, -1).amax(dim=-1) >= want.masked_fill(~ok, -1).amax(dim=-1) + 1
+        assert past[(~ok).any(dim=-1).expand(3, 2, 3)].all(), "an invalid lane ranks among the valid ones"
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
