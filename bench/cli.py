@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunks", nargs="+", type=int, help="frames per chunk (default: per device)")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="cache dtype (default fp32 CPU, fp16 CUDA)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
-                   help="default: all (triton only on CUDA; torch-ops, the torch backend without its C row kernel, "
-                        "only on CPU for compact, step and h2svc_step)")
+                   help="default: all (triton only on CUDA; torch-ops, the torch backend without its C code, only "
+                        "on CPU for compact, step, h2svc_stce and h2svc_step)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
     p.add_argument("--repeats", type=int, help="timed runs per point (default 10 CPU, 50 CUDA)")
     p.add_argument("--reference-repeats", type=int, help="timed runs of the reference backend (default 5)")
@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         reason = native.unavailable_reason("compact_cpu")
         print("torch backend, compaction rows on CPU: " + ("C walk (hermes_kernels/compact_cpu.c)" if reason is None
+              else f"torch ops ({reason})") + "; torch-ops rows: always torch ops")
+        reason = native.unavailable_reason("stce_cpu")
+        print("torch backend, STCE arrival loop on CPU: " + ("C (hermes_kernels/stce_cpu.c)" if reason is None
               else f"torch ops ({reason})") + "; torch-ops rows: always torch ops")
     results_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else RESULTS_DIR)
     # HERMES points per budget; H2SVC points (frame memories, no budget: 0) once per shape, dtype and chunk

@@ -11,9 +11,9 @@ Two policies: the HERMES stages run on `Inputs` (one stacked cache at a token bu
 `make_inputs` builds the right one.
 
 Backends: "reference" is `hermes.reference` / `hermes.h2svc.reference`; "torch" and "triton" are `hermes_kernels`
-with that `backend=`; "torch-ops" (compact, step, h2svc_step; CPU) is the torch backend with its C row kernel
-switched off (HERMES_KERNELS_NATIVE=0), i.e. the rows moved by torch ops; "eager" (pooled attention only)
-materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
+with that `backend=`; "torch-ops" (compact, step, h2svc_stce, h2svc_step; CPU) is the torch backend with its C
+code switched off (HERMES_KERNELS_NATIVE=0), i.e. rows moved and STCE's arrivals run by torch ops; "eager"
+(pooled attention only) materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
 A backend or stage that is not there yet raises `Unavailable`, which the harness reports as "n/a".
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from hermes.h2svc import EPISODIC, INSTANT, SHORT
 from .shapes import GRID_WIDTH, MROPE_TIME_STEP, PREFIX_LEN, TOKENS_PER_FRAME, ModelShape
 
 BACKENDS = ("reference", "torch", "torch-ops", "triton")
-TORCH_OPS_STAGES = ("compact", "step", "h2svc_step")  # where torch-ops differs from torch
+TORCH_OPS_STAGES = ("compact", "step", "h2svc_stce", "h2svc_step")  # where torch-ops differs from torch
 H2SVC_STAGES = ("h2svc_features", "h2svc_stce", "h2svc_step")
 GUIDANCE_MIXED = 40     # query tokens of the mixed prompt (local + "; " + global), mid layers
 GUIDANCE_GLOBAL = 20    # query tokens of the global prompt, deep layers

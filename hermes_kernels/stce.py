@@ -18,7 +18,8 @@ one batched Gram matrix, d2(a, b) = G_aa + G_bb - 2 G_ab, in float32. Then the s
       as vectors of next_pow2(W + F) lanes, scalars are read out of them by masked reductions, and the F arrivals
       run as a loop inside the program; three d2 entries are loaded per rescored frame.
   stce_select_torch  — the same state as [rows, W + F] tensors and a Python loop over the F arrivals only; every
-      op covers all rows (layers, heads, streams) at once.
+      op covers all rows (layers, heads, streams) at once. On CPU the loop runs in C instead (stce_cpu.c: the
+      same state machine per row, bit-identical decisions), unless HERMES_KERNELS_NATIVE=0.
 Decisions the contract leaves open (ours): features are centred per row (minus the mean of the row's valid
 frames) before the Gram matrix, which leaves every distance unchanged but shrinks the entries the subtraction
 cancels; a cosine is clamped to [-1, 1] against rounding (so I >= 0), and is 0 when |v_in|·|v_out| = 0 (then I = 0,
@@ -26,16 +27,23 @@ as the contract states). Lane order is temporal order, so "ties evict the older 
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import triton
 import triton.language as tl
 
+from . import native
 from .launch import launch
 
 __all__ = ["stce_select_torch", "stce_select_triton"]
 
 _BIG = 2 ** 62  # sorts empty slots (frame -1) after every real frame index
 _INF = float("inf")
+_MAX_LANES = 4096  # stce_cpu.c's per-row state limit (W + F lanes)
+# the C path's log table has one entry per frame index up to the newest (held endpoints are never evicted, so the
+# widest gap grows with the stream): built per call up to 2^20 frames (4 MiB, about 1 ms; 12 days at 1 fps)
+_MAX_LOG_TABLE = 1 << 20
 
 
 def _trajectory(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor,
@@ -88,11 +96,15 @@ def stce_select_torch(features: torch.Tensor, frames: torch.Tensor, arriving: to
     TRASH (= M + 1; write-only: conditional writes are routed there instead of being masked). A row that does not
     evict this round "evicts" NONE, which turns every write of the round into a write to TRASH. So each arrival is
     a fixed sequence of gathers and scatters over all rows at once: a Python loop over the F arrivals only, no host
-    sync.
+    sync. On CPU tensors the same loop runs in C (stce_cpu.c, one call for all rows, bit-identical scores and
+    decisions) when the library builds; `HERMES_KERNELS_NATIVE=0` keeps the torch ops.
     """
     H, B, W, _ = features.shape
     F = arriving.shape[2]
     times, d2 = _trajectory(features, frames, arriving, first_frame)
+    lib = native.library("stce_cpu") if times.device.type == "cpu" else None
+    if lib is not None and W + F <= _MAX_LANES and first_frame + F <= _MAX_LOG_TABLE:
+        return _select_rows_native(lib, times, d2, W, first_frame + F, capacity).view(H, B, capacity)
     R, M = times.shape
     NONE, TRASH, lanes = M, M + 1, M + 2
     device = times.device
@@ -143,6 +155,26 @@ def stce_select_torch(features: torch.Tensor, frames: torch.Tensor, arriving: to
     kept = torch.full((R, capacity + 1), -1, dtype=torch.int64, device=device)
     kept.scatter_(1, slot, torch.where(alive, times, -1))
     return kept[:, :capacity].reshape(H, B, capacity)
+
+
+def _select_rows_native(lib, times: torch.Tensor, d2: torch.Tensor, W: int, gaps: int, capacity: int) -> torch.Tensor:
+    """The arrival loop of every row in one call of stce_cpu.c (CPU tensors): kept int64 [R, capacity].
+
+    times int64 [R, M] and d2 [R, M, M] from `_trajectory`; `gaps` bounds every t_n - t_p a row can meet (the
+    newest arrival's frame + 1: held frames are older and >= 0). log(gap) comes from a torch-computed table, so
+    the C scores are the torch twin's bit for bit.
+    """
+    R, M = times.shape
+    times, d2 = times.contiguous(), d2.contiguous()
+    log_gap = torch.arange(gaps, dtype=torch.int64).to(d2.dtype).log()
+    kept = _output((R, capacity), torch.int64, times.device)
+    ptr = ctypes.c_void_p
+    status = lib.hermes_stce_rows(ptr(times.data_ptr()), ptr(d2.data_ptr()), ctypes.c_int(d2.dtype == torch.float64),
+                                  ptr(log_gap.data_ptr()), ctypes.c_int64(R), ctypes.c_int64(M), ctypes.c_int64(W),
+                                  ctypes.c_int64(capacity), ptr(kept.data_ptr()))
+    if status != 0:
+        raise RuntimeError(f"stce_cpu.c: hermes_stce_rows returned {status} (1: {M} lanes, over its limit)")
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------------------------

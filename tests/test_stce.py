@@ -18,12 +18,13 @@ import torch
 
 import hermes_kernels as hk
 from hermes.h2svc import reference as ref
-from tests.conftest import DEVICE
+import hermes_kernels.native as native
+from tests.conftest import DEVICE, TORCH_OPS
 from tests.utils import poison_, same_bytes
 
 stce_module = importlib.import_module("hermes_kernels.stce")
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", TORCH_OPS, "triton"]  # torch-ops: the torch loop where the CPU would run the C one
 MARGIN = 1e-3  # relative gap between the lowest and second-lowest evictable score at every eviction
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -94,7 +95,7 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_keep_sets_equal_the_reference(case, backend):
     (features, frames, arriving, first_frame), trace = tie_free(case, CASES.index(case))
@@ -112,7 +113,7 @@ def test_keep_sets_equal_the_reference(case, backend):
     assert (kept.cpu() == first_frame + case.chunk - 1).any(dim=-1).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_a_chunk_equals_its_frames_one_by_one(backend):
     """F arrivals in one call == F calls of one arrival, each starting from the previous call's memory."""
     case = Case(5, "partial", 16, BF16, H=2, B=1, capacity=4)
@@ -145,7 +146,7 @@ def line_features(times: torch.Tensor, D: int, g: torch.Generator) -> torch.Tens
     return times.to(F32).unsqueeze(-1) * u
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_straight_line_keeps_the_sharp_turn(backend):
     """Frames on a straight line score (about) 0; one frame pushed off the line is a sharp turn: STCE evicts
     line frames and keeps the turn and the endpoints however many arrive."""
@@ -161,7 +162,7 @@ def test_straight_line_keeps_the_sharp_turn(backend):
     assert turn in ref.stce_select(features, frames, line[W:].view(1, 1, F, D), W, W).flatten().tolist()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_zero_velocity_frames_score_zero_and_the_older_goes_first(backend):
     """Frame 2 repeats frame 1 and frame 6 repeats frame 5: frames 1 and 5 stop (v_out = 0), frames 2 and 6 do not
     move in (v_in = 0), so all four score exactly 0, the lowest possible score. Ties go to the older frame: the
@@ -182,7 +183,7 @@ def test_zero_velocity_frames_score_zero_and_the_older_goes_first(backend):
     assert torch.equal(two.cpu(), ref.stce_select(features, frames, base[W:].view(1, 1, 2, D), W, W))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_identical_features_evict_oldest_interior_first(backend):
     """Every velocity 0: every interior score ties at 0, so each eviction takes the oldest interior frame; the
     oldest frame (an endpoint) stays, and the memory ends as the oldest plus the newest capacity - 1 frames."""
@@ -196,7 +197,7 @@ def test_identical_features_evict_oldest_interior_first(backend):
     assert torch.equal(kept, ref.stce_select(features, frames, arriving, 14, W))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_below_capacity_nothing_is_evicted(backend):
     case = Case(3, "partial", 16, F32, capacity=8)
     (features, frames, arriving, first_frame), trace = tie_free(case, seed=11)
@@ -207,7 +208,7 @@ def test_below_capacity_nothing_is_evicted(backend):
         assert row == expected + [-1] * (16 - len(expected))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_bad_input_raises_before_writing(backend):
     case = Case(2, "full", 16, F32)
     features, frames, arriving, first_frame = draw(case, 0)
@@ -240,3 +241,43 @@ def test_bad_input_raises_before_writing(backend):
         hk.stce_select(features, frames, arriving, first_frame, 6, backend="gpu")
     for before, after in zip(snapshot, (features, frames, arriving)):
         assert same_bytes(before, after)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C loop (stce_cpu.c) runs on CPU tensors only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_c_loop_decides_like_the_torch_loop(dtype, monkeypatch):
+    """stce_cpu.c against the torch twin's loop, bit for bit, on draws the reference tests cannot use: exact ties
+    (repeated features: the older frame must go first), zero arrivals, empty / partial / full rows of different
+    held counts, W and F from 2 to 12, float32 and float64 features. Also: the C path really ran, and past its
+    log-table bound the torch loop takes over."""
+    reason = native.unavailable_reason("stce_cpu")
+    if reason is not None and reason.startswith("no C compiler"):
+        pytest.skip(reason)
+    assert reason is None, f"stce_cpu.c did not build: {reason}"
+    ran = []
+    c_loop = stce_module._select_rows_native
+    monkeypatch.setattr(stce_module, "_select_rows_native", lambda *a: ran.append(1) or c_loop(*a))
+    g = torch.Generator().manual_seed(91)
+    for trial in range(60):
+        H, B, W, F = 2, 2, 2 + trial % 11, 1 + trial % 12
+        first_frame = 3 * W + trial
+        frames = torch.full((H, B, W), -1, dtype=torch.int64)
+        for h in range(H):
+            for b in range(B):
+                n = (trial + h + b) % (W + 1)
+                frames[h, b, torch.randperm(W, generator=g)[:n]] = torch.randperm(first_frame, generator=g)[:n]
+        features = torch.randn(H, B, W, 8, generator=g, dtype=dtype)
+        arriving = torch.randn(H, B, F, 8, generator=g, dtype=dtype)
+        if trial % 3 == 0:
+            features[..., 1:, :] = features[..., :1, :]  # exact ties among the held frames
+        if trial % 4 == 0:
+            arriving[..., :, :] = arriving[..., :1, :]  # arrivals standing still
+        in_c = stce_module.stce_select_torch(features, frames, arriving, first_frame, W)
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+        in_torch = stce_module.stce_select_torch(features, frames, arriving, first_frame, W)
+        monkeypatch.delenv(native.ENV_SWITCH)
+        assert torch.equal(in_c, in_torch), f"trial {trial}: C {in_c.tolist()} vs torch {in_torch.tolist()}"
+    assert len(ran) == 60
+    monkeypatch.setattr(stce_module, "_MAX_LOG_TABLE", first_frame + F - 1)
+    stce_module.stce_select_torch(features, frames, arriving, first_frame, W)
+    assert len(ran) == 60, "past the log-table bound the torch loop should run"
