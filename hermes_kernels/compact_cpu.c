@@ -162,6 +162,21 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
 DEFINE_WALK(walk_f32, DTYPE_F32)
 DEFINE_WALK(walk_bf16, DTYPE_BF16)
 
+/* fn on jobs[0 .. threads) (each `size` bytes): workers 1.. on threads of their own; worker 0, and any worker whose
+ * thread could not start, on the calling thread. Returns nonzero if a thread could not be joined. */
+static int run_workers(void *(*fn)(void *), char *jobs, size_t size, int threads) {
+    pthread_t ids[MAX_THREADS];
+    int started = 0, status = 0;
+    for (int t = 1; t < threads; ++t) {
+        if (pthread_create(&ids[t], NULL, fn, jobs + t * size) != 0) break;
+        started = t;
+    }
+    fn(jobs);
+    for (int t = started + 1; t < threads; ++t) fn(jobs + t * size);
+    for (int t = 1; t <= started; ++t) status |= pthread_join(ids[t], NULL);
+    return status;
+}
+
 static void *worker(void *arg) {
     const job_t *j = (const job_t *)arg;
     const int64_t rows = j->L * j->B * j->H;
@@ -187,20 +202,11 @@ int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started = 0, status = 0;
     for (int t = 0; t < threads; ++t)
         jobs[t] = (job_t){(char *)k, (char *)v, dtype, shape[0], shape[1], shape[2], shape[3], kstride,
                           vstride, P, n, src, ktab, A, section, tab_cos, tab_sin, zero_row, first, m, pruned,
                           ptab, ksum, vsum, threads, t};
-    for (int t = 1; t < threads; ++t) {
-        if (pthread_create(&ids[t], NULL, worker, &jobs[t]) != 0) break;
-        started = t;
-    }
-    worker(&jobs[0]);
-    for (int t = started + 1; t < threads; ++t) worker(&jobs[t]);
-    for (int t = 1; t <= started; ++t) status |= pthread_join(ids[t], NULL);
-    return status ? 2 : 0;
+    return run_workers(worker, (char *)jobs, sizeof jobs[0], threads) ? 2 : 0;
 }
 
 /* Dense ranks by counting, for the position re-index of both policies' planning (`_dense_rank_counting` in
@@ -273,17 +279,9 @@ int hermes_dense_rank(const int64_t *values, const uint8_t *valid, int64_t rows,
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > rows) threads = rows > 0 ? (int)rows : 1;
     rank_job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started = 0, status = 0;
     for (int t = 0; t < threads; ++t) jobs[t] = (rank_job_t){values, valid, rank, rows, n, max_span, threads, t, 0};
-    for (int t = 1; t < threads; ++t) {
-        if (pthread_create(&ids[t], NULL, rank_worker, &jobs[t]) != 0) break;
-        started = t;
-    }
-    rank_worker(&jobs[0]);
-    for (int t = started + 1; t < threads; ++t) rank_worker(&jobs[t]);
-    for (int t = 1; t <= started; ++t) status |= pthread_join(ids[t], NULL);
-    if (status) return 2;
+    if (run_workers(rank_worker, (char *)jobs, sizeof jobs[0], threads)) return 2;
+    int status = 0;
     for (int t = 0; t < threads; ++t)
         if (jobs[t].failed) status = status > jobs[t].failed ? status : jobs[t].failed;
     return status;
