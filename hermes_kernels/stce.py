@@ -219,7 +219,8 @@ def _curvature(d2_row, times, lanes, j, p, n, M, ok):
 
 
 def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The Triton kernel's output, uninitialised: the kernel writes every element (tests poison it here)."""
+    """A kernel's output (Triton or stce_cpu.c), uninitialised: the kernel writes every element (tests poison it
+    here)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
