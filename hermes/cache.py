@@ -204,6 +204,21 @@ class StreamCacheBase(Cache):
         self._forward: _Forward | None = None
         Cache.__init__(self, layers=[_LayerView(self, layer) for layer in range(num_layers)])
 
+    # ---- what every forward and step checks first ---------------------------------------------------------
+    def _check_defined(self, failed: str) -> None:
+        """RuntimeError while a failed in-place write (`failed` names it) has left the cache undefined."""
+        if self._undefined:
+            raise RuntimeError(f"{type(self).__name__}: a failed {failed} left the cache undefined; call reset()")
+
+    def _incoming_count(self, key_states: torch.Tensor) -> int:
+        """T of a forward's key_states [B, Hkv, T, D]; ValueError unless B, Hkv and D are this cache's."""
+        count = key_states.shape[-2]
+        expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
+        if tuple(key_states.shape) != expected:
+            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={self.num_kv_heads}, T, "
+                             f"D={self.head_dim}] for this cache, got {tuple(key_states.shape)}")
+        return count
+
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
@@ -479,13 +494,8 @@ class HermesCache(StreamCacheBase):
         return self._length
 
     def _begin_forward(self, key_states: torch.Tensor) -> _Forward:
-        if self._undefined:
-            raise RuntimeError("HermesCache: a failed compression step left the cache undefined; call reset()")
-        count = key_states.shape[-2]
-        expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
-        if tuple(key_states.shape) != expected:
-            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={self.num_kv_heads}, T, "
-                             f"D={self.head_dim}] for this cache, got {tuple(key_states.shape)}")
+        self._check_defined("compression step")
+        count = self._incoming_count(key_states)
         if self._length + count > self.capacity:
             raise ValueError(f"key_states: {count} incoming tokens do not fit: length {self._length} of capacity "
                              f"{self.capacity}")
@@ -578,8 +588,7 @@ class HermesCache(StreamCacheBase):
         interrupt while rows are being moved may leave some layers compacted and others not. The cache is then
         `undefined` and refuses forwards and steps until `reset()`: the video memory is lost, start again.
         """
-        if self._undefined:
-            raise RuntimeError("HermesCache: a failed compression step left the cache undefined; call reset()")
+        self._check_defined("compression step")
         if self._length <= self.cfg.prefix_len:
             raise ValueError(f"attn: the cache holds no visual token (length {self._length}, prefix_len "
                              f"{self.cfg.prefix_len})")

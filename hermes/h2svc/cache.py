@@ -344,13 +344,8 @@ class H2SVCCache(StreamCacheBase):
         return tuple(self.class_length(c) if c in self.classes else 0 for c in CLASSES)
 
     def _begin_forward(self, key_states: torch.Tensor) -> _Forward:
-        if self._undefined:
-            raise RuntimeError("H2SVCCache: a failed step left the cache undefined; call reset()")
-        count = key_states.shape[-2]
-        expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
-        if tuple(key_states.shape) != expected:
-            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={self.num_kv_heads}, T, "
-                             f"D={self.head_dim}] for this cache, got {tuple(key_states.shape)}")
+        self._check_defined("step")
+        count = self._incoming_count(key_states)
         chunk, self._chunk = self._chunk, None  # only the context's first forward is the chunk
         if self._arrived:
             raise RuntimeError("H2SVCCache: a chunk's frames await their step(); run it before the next forward")
@@ -501,8 +496,7 @@ class H2SVCCache(StreamCacheBase):
         Every block is checked before the first one is written (ValueError/TypeError, cache untouched); an
         exception after that leaves the cache `undefined`.
         """
-        if self._undefined:
-            raise RuntimeError("H2SVCCache: a failed step left the cache undefined; call reset()")
+        self._check_defined("step")
         if not self._arrived:
             raise ValueError("step: no chunk awaits a step (prefill one with forward_context(frames=...))")
         if backend not in hk.BACKENDS:
