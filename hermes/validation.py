@@ -35,6 +35,29 @@ def check_same_device(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tens
         raise ValueError(f"{name}: on {x.device} but {ref_name} is on {ref.device}; pass both on one device")
 
 
+def check_keys_values(keys, values, ndim: int, shape_doc: str) -> None:
+    """A cache's key and value tensors: `ndim` dims, a cache dtype, and values of the keys' shape, dtype and device
+    (the pair both policies' ops take; shape_doc names the dims in messages)."""
+    check_tensor("keys", keys, (ndim,), CACHE_DTYPES, shape_doc)
+    check_tensor("values", values, (ndim,), CACHE_DTYPES, shape_doc)
+    if values.shape != keys.shape:
+        raise ValueError(f"values: expected the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    if values.dtype != keys.dtype:
+        raise TypeError(f"values: dtype {values.dtype} differs from keys' {keys.dtype}")
+    check_same_device("values", values, "keys", keys)
+
+
+def check_positions(positions, leading: list[int], length: int, mrope_section: Sequence[int] | None,
+                    keys: torch.Tensor) -> None:
+    """Position ids int64 [*leading, N] (1D RoPE) or [*leading, 3, N] (M-RoPE: t, h, w) on keys' device."""
+    expected = [*leading, 3, length] if mrope_section is not None else [*leading, length]
+    check_tensor("positions", positions, (len(expected),), (torch.int64,),
+                 f"{expected} int64" + (" (M-RoPE: t, h, w)" if mrope_section is not None else ""))
+    if list(positions.shape) != expected:
+        raise ValueError(f"positions: expected {expected} int64, got {tuple(positions.shape)}")
+    check_same_device("positions", positions, "keys", keys)
+
+
 def check_rotary(inv_freq, mrope_section: Sequence[int] | None, head_dim: int) -> None:
     """inv_freq [D/2] float; mrope_section None (1D RoPE) or three pair counts (t, h, w) summing to D/2."""
     check_tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[D/2]")
@@ -126,13 +149,7 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
     inv_freq [D/2], mrope_section summing to D/2 when given; N > prefix_len. L = len(layers), the layers of
     cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`."""
     _config(cfg)
-    check_tensor("keys", keys, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
-    check_tensor("values", values, (5,), CACHE_DTYPES, "[L, B, Hkv, N, D]")
-    if values.shape != keys.shape:
-        raise ValueError(f"values: expected the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
-    if values.dtype != keys.dtype:
-        raise TypeError(f"values: dtype {values.dtype} differs from keys' {keys.dtype}")
-    check_same_device("values", values, "keys", keys)
+    check_keys_values(keys, values, 5, "[L, B, Hkv, N, D]")
     L, B, Hkv, N, D = keys.shape
     expected_layers = cfg.num_layers if layers is None else len(layers)
     if L != expected_layers:
@@ -144,12 +161,7 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         raise ValueError(f"keys: cache length N={N} holds no visual token after prefix_len={cfg.prefix_len}")
     if D % 2:
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
-    expected = [L, B, 3, N] if mrope_section is not None else [L, B, N]
-    check_tensor("positions", positions, (len(expected),), (torch.int64,),
-            f"{expected} int64" + (" (M-RoPE: t, h, w)" if mrope_section is not None else ""))
-    if list(positions.shape) != expected:
-        raise ValueError(f"positions: expected {expected} int64, got {tuple(positions.shape)}")
-    check_same_device("positions", positions, "keys", keys)
+    check_positions(positions, [L, B], N, mrope_section, keys)
     check_rotary(inv_freq, mrope_section, D)
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import CACHE_DTYPES, SCORE_DTYPES, check_rotary, check_same_device, check_tensor
+from ..validation import (CACHE_DTYPES, SCORE_DTYPES, check_keys_values, check_positions, check_rotary,
+                          check_same_device, check_tensor)
 from .config import EPISODIC, H2SVCConfig, class_counts, class_id
 
 __all__ = ["check_config", "check_frame_features", "check_trajectory", "check_stce", "check_fifo",
@@ -161,24 +162,13 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, m
     check_config(cfg)
     cls = class_id(cls, "cls")
     W = cfg.window(cls)
-    check_tensor("keys", keys, (4,), CACHE_DTYPES, "[H_c, B, C, D]")
-    check_tensor("values", values, (4,), CACHE_DTYPES, "[H_c, B, C, D]")
-    if values.shape != keys.shape:
-        raise ValueError(f"values: expected the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
-    if values.dtype != keys.dtype:
-        raise TypeError(f"values: dtype {values.dtype} differs from keys' {keys.dtype}")
-    check_same_device("values", values, "keys", keys)
+    check_keys_values(keys, values, 4, "[H_c, B, C, D]")
     H_c, B, C, D = keys.shape
     if H_c < 1 or B < 1:
         raise ValueError(f"keys: expected H_c >= 1 rows and B >= 1 streams, got {tuple(keys.shape)}")
     if D < 2 or D % 2:
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
-    expected = [H_c, B, 3, C] if mrope_section is not None else [H_c, B, C]
-    check_tensor("positions", positions, (len(expected),), (torch.int64,),
-                 f"{expected} int64" + (" (M-RoPE: t, h, w)" if mrope_section is not None else ""))
-    if list(positions.shape) != expected:
-        raise ValueError(f"positions: expected {expected} int64, got {tuple(positions.shape)}")
-    check_same_device("positions", positions, "keys", keys)
+    check_positions(positions, [H_c, B], C, mrope_section, keys)
     check_tensor("slot_frames", slot_frames, (3,), (torch.int64,), f"[H_c, B, W={W}] int64")
     if tuple(slot_frames.shape) != (H_c, B, W):
         raise ValueError(f"slot_frames: expected [H_c={H_c}, B={B}, W={W}] int64 ({W} home slots of class "
