@@ -185,6 +185,17 @@ def snapshot(stream: HermesStream) -> tuple:
             [cache.layer_positions(l).clone() for l in range(cache.num_layers)])
 
 
+def refuse_bad_questions(stream: HermesStream) -> None:
+    """Questions `ask` must refuse before anything runs, either policy: an answer past the room, a list for a
+    one-stream batch, beam search."""
+    with pytest.raises(ValueError, match="room"):
+        stream.ask(QUESTION, max_new_tokens=10_000)
+    with pytest.raises(TypeError, match="question"):
+        stream.ask([QUESTION], max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_beams"):
+        stream.ask(QUESTION, max_new_tokens=2, num_beams=2)
+
+
 def assert_unchanged(stream: HermesStream, before: tuple) -> None:
     after = snapshot(stream)
     assert after[0] == before[0], f"length changed {before[0]} -> {after[0]}"
@@ -456,12 +467,7 @@ def test_bad_input_raises_and_leaves_cache_unchanged(case):
             stream.append_video(**kwargs)
         assert_unchanged(stream, before)
     before = snapshot(stream)
-    with pytest.raises(ValueError, match="room"):
-        stream.ask(QUESTION, max_new_tokens=10_000)
-    with pytest.raises(TypeError, match="question"):
-        stream.ask([QUESTION], max_new_tokens=2)
-    with pytest.raises(ValueError, match="num_beams"):
-        stream.ask(QUESTION, max_new_tokens=2, num_beams=2)
+    refuse_bad_questions(stream)
     assert_unchanged(stream, before)
     small = make_stream(case, model, budget=40, chunk_tokens=8)
     with pytest.raises(ValueError, match="chunk_tokens"):
