@@ -185,7 +185,8 @@ class StreamCacheBase(Cache):
     """What every policy cache of the stream shares: a `transformers.Cache` the front drives the same way.
 
     Subclasses hold the storage and positions and implement `length`, `capacity`, `room()` (tokens that still fit
-    past the length in every row), `update` (calling `_take_context` at layer 0 and `_hand_off` per layer),
+    past the length in every row), `_begin_forward` (checks and `_take_context`, run once at layer 0), `update`
+    (taking its forward from `_forward_at`, calling `_hand_off` per layer),
     `truncate`, `reset`, `stats`, `layer_keys` / `layer_values` (what `_LayerView` shows transformers),
     `_hidden_start()` (where a left-padded forward's padding starts), `_counters()` / `_restore_counters()` (the
     host state `atomic()` puts back; it must include `_steps`), `_home_device` (where the default positions
@@ -209,6 +210,17 @@ class StreamCacheBase(Cache):
         """RuntimeError while a failed in-place write (`failed` names it) has left the cache undefined."""
         if self._undefined:
             raise RuntimeError(f"{type(self).__name__}: a failed {failed} left the cache undefined; call reset()")
+
+    def _forward_at(self, layer_idx: int, key_states: torch.Tensor) -> _Forward:
+        """The forward `update` of layer `layer_idx` belongs to: begun at layer 0 (`_begin_forward`), then the
+        same one for every later layer with the same token count (RuntimeError otherwise)."""
+        if layer_idx == 0:
+            self._forward = self._begin_forward(key_states)
+        fwd = self._forward
+        if fwd is None or key_states.shape[-2] != fwd.count:
+            raise RuntimeError(f"{type(self).__name__}.update: layer {layer_idx} updated outside a forward that "
+                               f"began at layer 0 with the same token count")
+        return fwd
 
     def _incoming_count(self, key_states: torch.Tensor) -> int:
         """T of a forward's key_states [B, Hkv, T, D]; ValueError unless B, Hkv and D are this cache's."""
@@ -527,12 +539,7 @@ class HermesCache(StreamCacheBase):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the incoming keys/values [B, Hkv, T, D] of layer `layer_idx` in place; return views
         [B, Hkv, N + T, D] of the cache plus the new tokens (what the attention function attends over)."""
-        if layer_idx == 0:
-            self._forward = self._begin_forward(key_states)
-        fwd = self._forward
-        if fwd is None or key_states.shape[-2] != fwd.count:
-            raise RuntimeError(f"HermesCache.update: layer {layer_idx} updated outside a forward that began at "
-                               f"layer 0 with the same token count")
+        fwd = self._forward_at(layer_idx, key_states)
         stack, local = self._stack_of_layer[layer_idx]
         end = fwd.start + fwd.count
         stack.keys[local, :, :, fwd.start:end] = key_states

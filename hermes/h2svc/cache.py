@@ -400,12 +400,7 @@ class H2SVCCache(StreamCacheBase):
         """Rotate the incoming keys [B, Hkv, T, D] of layer `layer_idx` to their true positions and write keys and
         values into each class block's rows of that layer; return the incoming tensors themselves (the attention
         function claims them and attends over the class blocks)."""
-        if layer_idx == 0:
-            self._forward = self._begin_forward(key_states)
-        fwd = self._forward
-        if fwd is None or key_states.shape[-2] != fwd.count:
-            raise RuntimeError(f"H2SVCCache.update: layer {layer_idx} updated outside a forward that began at "
-                               f"layer 0 with the same token count")
+        fwd = self._forward_at(layer_idx, key_states)
         count = fwd.count
         rotated = None
         for part in self._parts[layer_idx]:
