@@ -19,6 +19,7 @@
  * (built with -ffp-contract=off), as in the torch ops of the reference.
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,10 +92,21 @@ INLINE void rotate(const char *x, char *out, const int32_t *rows, int64_t stride
         c = cos_row;
         s = sin_row;
     }
+    if (x != out) { /* another row: the compiler's overlap check passes and this loop runs vectorised */
+        for (int64_t q = 0; q < half; ++q) {
+            const float x1 = load(x, q, dtype), x2 = load(x, q + half, dtype);
+            store(out, q, x1 * c[q] - x2 * s[q], out_dtype);
+            store(out, q + half, x2 * c[q] + x1 * s[q], out_dtype);
+        }
+        return;
+    }
+    /* in place, that check fails and the loop above would run scalar: widen the row into a local copy first, so
+     * the products read only memory the stores cannot touch */
+    float w[2 * MAX_HALF];
+    for (int64_t q = 0; q < 2 * half; ++q) w[q] = load(x, q, dtype);
     for (int64_t q = 0; q < half; ++q) {
-        const float x1 = load(x, q, dtype), x2 = load(x, q + half, dtype);
-        store(out, q, x1 * c[q] - x2 * s[q], out_dtype);
-        store(out, q + half, x2 * c[q] + x1 * s[q], out_dtype);
+        store(out, q, w[q] * c[q] - w[q + half] * s[q], out_dtype);
+        store(out, q + half, w[q + half] * c[q] + w[q] * s[q], out_dtype);
     }
 }
 
@@ -210,11 +222,51 @@ int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const
 }
 
 /* Dense ranks by counting, for the position re-index of both policies' planning (`_dense_rank_counting` in
- * compact.py). Row r of values [rows, n]: rank[i] = the number of distinct valid values of the row below values[i]
- * (0-based dense rank); an invalid lane (valid[i] == 0; valid NULL: all valid) gets the row's distinct count, past
- * every valid rank. Per row: min/max of the valid values, a presence table over that span, an exclusive prefix
- * count, one lookup per lane: linear in n + span. A row whose span exceeds max_span (values far apart, where a
- * sort is cheaper) stops the call with status 3 and the caller sorts instead. */
+ * compact.py, and H2SVC's `hermes_frame_reindex` below). Row r of values [rows, n]: rank[i] = the number of distinct
+ * valid values of the row below values[i] (0-based dense rank); an invalid lane (valid[i] == 0; valid NULL: all
+ * valid) gets the row's distinct count, past every valid rank. Per row: min/max of the valid values, a presence
+ * table over that span, an exclusive prefix count, one lookup per lane: linear in n + span. A row whose span exceeds
+ * max_span (values far apart, where a sort is cheaper) stops the call with status 3 and the caller sorts instead. */
+typedef struct {
+    int64_t *slots, capacity; /* presence table, reused from row to row */
+} rank_table_t;
+
+/* Ranks of one row x[0..n) (stride 1) into out; returns the distinct count, -3 if the span exceeds max_span, -2 if
+ * the table could not be grown. */
+static int64_t rank_row(const int64_t *x, const uint8_t *ok, int64_t n, int64_t max_span, rank_table_t *t,
+                        int64_t *out) {
+    int64_t low = INT64_MAX, high = INT64_MIN;
+    for (int64_t i = 0; i < n; ++i) {
+        if (ok && !ok[i]) continue;
+        if (x[i] < low) low = x[i];
+        if (x[i] > high) high = x[i];
+    }
+    if (low > high) { /* no valid lane */
+        for (int64_t i = 0; i < n; ++i) out[i] = 0;
+        return 0;
+    }
+    if (high - low >= max_span) return -3;
+    const int64_t span = high - low + 1;
+    if (span > t->capacity) {
+        free(t->slots);
+        t->slots = (int64_t *)malloc((size_t)span * sizeof(int64_t));
+        t->capacity = t->slots ? span : 0;
+        if (!t->slots) return -2;
+    }
+    int64_t *table = t->slots;
+    memset(table, 0, (size_t)span * sizeof(int64_t));
+    for (int64_t i = 0; i < n; ++i)
+        if (!ok || ok[i]) table[x[i] - low] = 1;
+    int64_t distinct = 0;
+    for (int64_t v = 0; v < span; ++v) {
+        const int64_t present = table[v];
+        table[v] = distinct;
+        distinct += present;
+    }
+    for (int64_t i = 0; i < n; ++i) out[i] = (!ok || ok[i]) ? table[x[i] - low] : distinct;
+    return distinct;
+}
+
 typedef struct {
     const int64_t *values;
     const uint8_t *valid;
@@ -225,49 +277,24 @@ typedef struct {
 
 static void *rank_worker(void *arg) {
     rank_job_t *j = (rank_job_t *)arg;
-    int64_t capacity = 0;
-    int64_t *table = NULL;
-    for (int64_t r = j->worker; r < j->rows; r += j->threads) {
-        const int64_t *x = j->values + r * j->n;
-        const uint8_t *ok = j->valid ? j->valid + r * j->n : NULL;
-        int64_t *out = j->rank + r * j->n;
-        int64_t low = INT64_MAX, high = INT64_MIN;
-        for (int64_t i = 0; i < j->n; ++i) {
-            if (ok && !ok[i]) continue;
-            if (x[i] < low) low = x[i];
-            if (x[i] > high) high = x[i];
-        }
-        if (low > high) { /* no valid lane */
-            for (int64_t i = 0; i < j->n; ++i) out[i] = 0;
-            continue;
-        }
-        if (high - low >= j->max_span) {
-            j->failed = 3;
-            break;
-        }
-        const int64_t span = high - low + 1;
-        if (span > capacity) {
-            free(table);
-            table = (int64_t *)malloc((size_t)span * sizeof(int64_t));
-            capacity = table ? span : 0;
-            if (!table) {
-                j->failed = 2;
-                return NULL;
-            }
-        }
-        memset(table, 0, (size_t)span * sizeof(int64_t));
-        for (int64_t i = 0; i < j->n; ++i)
-            if (!ok || ok[i]) table[x[i] - low] = 1;
-        int64_t distinct = 0;
-        for (int64_t v = 0; v < span; ++v) {
-            const int64_t present = table[v];
-            table[v] = distinct;
-            distinct += present;
-        }
-        for (int64_t i = 0; i < j->n; ++i) out[i] = (!ok || ok[i]) ? table[x[i] - low] : distinct;
+    rank_table_t table = {NULL, 0};
+    for (int64_t r = j->worker; r < j->rows && !j->failed; r += j->threads) {
+        const int64_t got = rank_row(j->values + r * j->n, j->valid ? j->valid + r * j->n : NULL, j->n,
+                                     j->max_span, &table, j->rank + r * j->n);
+        if (got < 0) j->failed = (int)-got;
     }
-    free(table);
+    free(table.slots);
     return NULL;
+}
+
+/* The larger failure status of jobs[0 .. threads) (each `size` bytes, `failed` at byte `offset`). */
+static int worst_status(const char *jobs, size_t size, size_t offset, int threads) {
+    int status = 0;
+    for (int t = 0; t < threads; ++t) {
+        const int failed = *(const int *)(jobs + t * size + offset);
+        if (failed > status) status = failed;
+    }
+    return status;
 }
 
 /* Returns 0 on success; 3 if a row's span exceeds max_span; 2 if a worker thread could not be joined or a table
@@ -281,8 +308,66 @@ int hermes_dense_rank(const int64_t *values, const uint8_t *valid, int64_t rows,
     rank_job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; ++t) jobs[t] = (rank_job_t){values, valid, rank, rows, n, max_span, threads, t, 0};
     if (run_workers(rank_worker, (char *)jobs, sizeof jobs[0], threads)) return 2;
-    int status = 0;
+    return worst_status((const char *)jobs, sizeof jobs[0], offsetof(rank_job_t, failed), threads);
+}
+
+/* H2SVC's re-index of one class block (frame_update.py, step 4; `_reindex_native` there), in one pass per
+ * (row, stream) and no temporaries in torch. positions [rows, B, A, C] (int64, element strides pstride), source
+ * [rows, B, held] (int64, contiguous): the frame slot each home slot takes its frame from. For the n = held·T
+ * retained tokens of a (row, stream), token i = (home slot h, offset t) reads its old coordinate on axis a from
+ * positions[.., a, P + source[h]·T + t]; per axis its dense rank among the row's n coordinates; E = the largest
+ * distinct count over the axes; new = rank + next_position − E (the newest coordinate of the row lands at
+ * next_position − 1). Writes new [rows, B, A, n] and delta = new − old [rows, B, A, n]; positions are only read
+ * (the caller writes new into the home slots once every row has planned, so a failure leaves them untouched). */
+typedef struct {
+    const int64_t *pos, *pstride, *source;
+    int64_t rows, B, A, held, P, T, next_position, max_span;
+    int64_t *out_new, *out_delta;
+    int threads, worker, failed;
+} reindex_job_t;
+
+static void *reindex_worker(void *arg) {
+    reindex_job_t *j = (reindex_job_t *)arg;
+    const int64_t n = j->held * j->T, A = j->A;
+    rank_table_t table = {NULL, 0};
+    for (int64_t r = j->worker; r < j->rows * j->B && !j->failed; r += j->threads) {
+        const int64_t row = r / j->B, stream = r % j->B;
+        const int64_t *source = j->source + r * j->held;
+        int64_t *old = j->out_delta + r * A * n, *rank = j->out_new + r * A * n;
+        int64_t extent = 0;
+        for (int64_t a = 0; a < A && !j->failed; ++a) {
+            const int64_t *axis = j->pos + row * j->pstride[0] + stream * j->pstride[1] + a * j->pstride[2];
+            int64_t *o = old + a * n;
+            for (int64_t h = 0; h < j->held; ++h) {
+                const int64_t *from = axis + (j->P + source[h] * j->T) * j->pstride[3];
+                for (int64_t t = 0; t < j->T; ++t) o[h * j->T + t] = from[t * j->pstride[3]];
+            }
+            const int64_t distinct = rank_row(o, NULL, n, j->max_span, &table, rank + a * n);
+            if (distinct < 0) j->failed = (int)-distinct;
+            if (distinct > extent) extent = distinct;
+        }
+        const int64_t shift = j->next_position - extent;
+        for (int64_t i = 0; i < A * n; ++i) {
+            rank[i] += shift;
+            old[i] = rank[i] - old[i];
+        }
+    }
+    free(table.slots);
+    return NULL;
+}
+
+/* Returns 0 on success; 3 if a row's span on some axis exceeds max_span (the caller ranks by sorting instead);
+ * 2 if a worker thread could not be joined or a table could not be allocated. */
+int hermes_frame_reindex(const int64_t *pos, const int64_t *pstride, int64_t rows, int64_t B, int64_t A,
+                         const int64_t *source, int64_t held, int64_t P, int64_t T, int64_t next_position,
+                         int64_t max_span, int64_t *out_new, int64_t *out_delta, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > rows * B) threads = rows * B > 0 ? (int)(rows * B) : 1;
+    reindex_job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; ++t)
-        if (jobs[t].failed) status = status > jobs[t].failed ? status : jobs[t].failed;
-    return status;
+        jobs[t] = (reindex_job_t){pos, pstride, source, rows, B, A, held, P, T, next_position, max_span,
+                                  out_new, out_delta, threads, t, 0};
+    if (run_workers(reindex_worker, (char *)jobs, sizeof jobs[0], threads)) return 2;
+    return worst_status((const char *)jobs, sizeof jobs[0], offsetof(reindex_job_t, failed), threads);
 }

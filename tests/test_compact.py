@@ -19,7 +19,8 @@ from hermes import HermesConfig
 from hermes import reference as ref
 from hermes.rope import mrope_axis_of_freq, rotary_cos_sin
 from tests.conftest import DEVICE, TORCH_OPS
-from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
+from tests.utils import (TOL, assert_close_verbose, distinct_attention, inv_freq_for, require_c_library,
+                         synthetic_positions)
 
 compact_module = importlib.import_module("hermes_kernels.compact")
 native = importlib.import_module("hermes_kernels.native")
@@ -447,19 +448,12 @@ def fresh_build():
     native._build.cache_clear()
 
 
-def require_c_compiler():
-    reason = native.unavailable_reason("compact_cpu")
-    if reason is not None and reason.startswith("no C compiler"):
-        pytest.skip(reason)
-    assert reason is None, f"the C row kernel did not build: {reason}"
-
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
 @pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: c.id)
 def test_cpu_caches_take_the_c_walk_and_torch_ops_when_switched_off(case, monkeypatch):
     """backend="torch" on an fp32/bf16 CPU cache runs the C walk (the torch-ops mover would raise) and matches the
     reference; with HERMES_KERNELS_NATIVE=0 the torch-ops mover runs instead (the C one would raise)."""
-    require_c_compiler()
+    require_c_library("compact_cpu")
     with monkeypatch.context() as patch:
         patch.setattr(compact_module, "_rows_torch", refuse)
         run_case(case, "torch", seed=60 + NATIVE_CASES.index(case))
@@ -522,7 +516,7 @@ def test_counting_dense_rank_equals_the_sorting_one(spread, mask, in_c, monkeypa
     sort's ranks on every valid lane, with repeats, negative values, rows in no order and a row without any valid
     lane; invalid lanes rank past every valid one of their row."""
     if in_c:
-        require_c_compiler()
+        require_c_library("compact_cpu")
     else:
         monkeypatch.setenv(native.ENV_SWITCH, "0")
     g = torch.Generator().manual_seed(73)
@@ -552,7 +546,7 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     """Bit-exact check of the C walk's arithmetic: with arbitrary cos/sin tables (no transcendental functions
     involved), every kept key equals torch's fp32 x1·c − x2·s, x2·c + x1·s rounded to the cache dtype — each
     product and sum rounded once, to nearest even — with each M-RoPE section's pairs from its own axis's row."""
-    require_c_compiler()
+    require_c_library("compact_cpu")
     D = 16 if section else 64
     case = Case("paper", 3, 2, 2, D, 4, 29, 13, dtype, section, "eager", False, "view")
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=74)

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 import hermes_kernels as hk
-from hermes_kernels import frame_update
+from hermes_kernels import frame_update, native
+from hermes_kernels.compact import _dense_rank
 from hermes.h2svc import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes.h2svc import reference as ref
 from hermes.rope import apply_rotary_delta
 from tests.conftest import DEVICE, TORCH_OPS
-from tests.utils import TOL, assert_close_verbose, inv_freq_for, same_bytes
+from tests.utils import TOL, assert_close_verbose, inv_freq_for, require_c_library, same_bytes
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -416,3 +417,40 @@ def test_bad_input_raises_before_writing(backend):
         hk.h2svc_step(*args, **kwargs, backend="cuda")
     for before, after in zip(snapshot, block.tensors()):
         assert same_bytes(before, after)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C re-index plans CPU tensors only")
+@pytest.mark.parametrize("axes", [1, 3])
+def test_c_reindex_plans_like_the_torch_ops(axes, monkeypatch):
+    """Step 4's plan in C (compact_cpu.c `hermes_frame_reindex`: the old positions gathered through the slot plan,
+    per-axis counting ranks, right alignment) against the sort ranks of the torch ops on GPUs, exactly: strided positions, repeated
+    and negative coordinates, sources in home and overflow slots, two streams, E set by different axes in
+    different rows. Positions are only read. A row whose span is too wide to count returns None (the torch ops
+    then plan); with HERMES_KERNELS_NATIVE=0 it returns None without calling C."""
+    require_c_library("compact_cpu")
+    g = torch.Generator().manual_seed(99)
+    H, B, P, T, W, held, spare = 3, 2, 2, 3, 4, 4, 2
+    C = P + (W + 3) * T
+    for trial in range(12):
+        spread = 1 if trial < 10 else 1 << 20  # the last two: spans past the counting bound
+        buffer = torch.randint(-30, 30, (H, B, axes, C + spare), generator=g) * spread
+        pos = buffer[..., :C]  # a view: rows strided past C
+        if trial % 3 == 0 and axes == 3:
+            pos[0, :, 1] = pos[0, :, 0] * 2  # a row where the height axis has the most distinct values
+        source = torch.stack([torch.randperm(W + 3, generator=g)[:held] for _ in range(H * B)]).view(H, B, held)
+        next_position = 500 + trial
+        before = buffer.clone()
+        got = frame_update._reindex_native(pos, source, P, T, next_position)
+        assert torch.equal(buffer, before), "the C plan wrote positions"
+        if spread > 1:
+            assert got is None
+            continue
+        old = pos.gather(-1, frame_update._tokens(source, P, T).unsqueeze(2).expand(H, B, axes, held * T))
+        rank = _dense_rank(old, torch.ones(1, dtype=torch.bool))  # the sort rank: no C involved
+        extent = rank.amax(dim=-1).amax(dim=-1).view(H, B, 1, 1) + 1
+        want = rank + next_position - extent
+        assert got is not None
+        assert torch.equal(got[0], want) and torch.equal(got[1], want - old)
+        assert int(got[0].amax()) == next_position - 1
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert frame_update._reindex_native(pos, source, P, T, 500) is None

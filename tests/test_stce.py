@@ -20,7 +20,7 @@ import hermes_kernels as hk
 from hermes.h2svc import reference as ref
 import hermes_kernels.native as native
 from tests.conftest import DEVICE, TORCH_OPS
-from tests.utils import poison_, same_bytes
+from tests.utils import poison_, require_c_library, same_bytes
 
 stce_module = importlib.import_module("hermes_kernels.stce")
 
@@ -250,10 +250,7 @@ def test_c_loop_decides_like_the_torch_loop(dtype, monkeypatch):
     (repeated features: the older frame must go first), zero arrivals, empty / partial / full rows of different
     held counts, W and F from 2 to 12, float32 and float64 features. Also: the C path really ran, and past its
     log-table bound the torch loop takes over."""
-    reason = native.unavailable_reason("stce_cpu")
-    if reason is not None and reason.startswith("no C compiler"):
-        pytest.skip(reason)
-    assert reason is None, f"stce_cpu.c did not build: {reason}"
+    require_c_library("stce_cpu")
     ran = []
     c_loop = stce_module._select_rows_native
     monkeypatch.setattr(stce_module, "_select_rows_native", lambda *a: ran.append(1) or c_loop(*a))

@@ -1,7 +1,10 @@
 """Test helpers: verbose comparisons, per-dtype tolerances, poisoning, synthetic caches."""
 from __future__ import annotations
 
+import pytest
 import torch
+
+from hermes_kernels import native
 
 # (atol, rtol) per storage dtype of the compared tensor
 TOL = {
@@ -74,3 +77,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return torch.equal(a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))
+
+
+def require_c_library(name: str) -> None:
+    """Skip when no C compiler is installed; fail when one is but hermes_kernels/<name>.c did not build."""
+    reason = native.unavailable_reason(name)
+    if reason is not None and reason.startswith("no C compiler"):
+        pytest.skip(reason)
+    assert reason is None, f"{name}.c did not build: {reason}"
