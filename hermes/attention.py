@@ -54,7 +54,8 @@ class GuidanceState:
                       causally, itself, never to another prompt. Slots past a stream's last prompt are padding.
     segment_of_layer: per layer, the index of the prompt whose pooled attention it needs, or None.
     last_layer:       the deepest layer that needs a score: a pass on its own stops after it; fused, the prompt
-                      rows are not computed from there on.
+                      rows are not computed from there on. Before it, a layer computes only the rows of prompts a
+                      deeper layer scores (`read_rows`).
     backend:          `hermes_kernels` backend of the pooled attention ("auto" | "triton" | "torch").
     """
 
@@ -75,6 +76,15 @@ class GuidanceState:
             else:
                 runs.append((slice(b, b + 1), lo, hi))
         return runs
+
+    def read_rows(self, layer: int) -> tuple[int, int] | None:
+        """(start, end) among the prompt tokens: the rows whose output at `layer` some deeper layer reads (the
+        span, over streams, of every prompt a deeper layer scores); None when no deeper layer scores one."""
+        later = {segment for segment in self.segment_of_layer[layer + 1:] if segment is not None}
+        if not later:
+            return None
+        bounds = [stream[segment] for stream in self.segments for segment in later]
+        return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
 
 
 def hermes_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -160,13 +170,20 @@ def _guidance_attention(module, cache: HermesCache, layer: int, query, key, valu
         outputs.append(_cached_attention(module, cache, query[:, :, :stored], key[:, :, :base], value[:, :, :base],
                                          attention_mask, dropout, scaling, **kwargs)[0])
     prompts = query[:, :, stored:]
-    if layer < state.last_layer:
+    b, heads, count, dim = prompts.shape
+    read = state.read_rows(layer)
+    if read is not None:
+        # only the rows of prompts a deeper layer scores (a prompt's rows past its last scoring layer, e.g. the
+        # mixed prompt's after the last mid layer, are never read again); they see no key past their own
+        lo, hi = read
         mask = cache.forward_mask(("guidance", base), query.device,
-                                  lambda: _segment_mask(state.segments, base, prompts.shape[2], query.device))
-        outputs.append(model_attention(module, prompts, key, value, mask, dropout, scaling, **kwargs)[0])
+                                  lambda: _segment_mask(state.segments, base, count, query.device))
+        rows = model_attention(module, prompts[:, :, lo:hi], key[:, :, :base + hi], value[:, :, :base + hi],
+                               mask[..., lo:hi, :base + hi], dropout, scaling, **kwargs)[0]
+        # the other rows only have to have the right shape: zeros
+        outputs.append(torch.nn.functional.pad(rows, (0, 0, 0, 0, lo, count - hi)) if hi - lo < count else rows)
     elif stored:
         # no deeper layer reads the prompts: their rows only have to have the right shape
-        b, heads, count, dim = prompts.shape
         outputs.append(prompts.new_zeros(b, count, heads, dim))
     segment = state.segment_of_layer[layer]
     if segment is not None:

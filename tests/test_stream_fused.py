@@ -122,3 +122,17 @@ def test_fused_switch_with_no_prompt_to_run(case):
     assert stream.policy.plan.kinds == ()
     results = [stream.append_video(**case.chunk(1, g)) for _ in range(3)]
     assert results[-1] is not None and stream.stats()["length"] == stream.cfg.prefix_len + 40
+
+
+def test_prompt_rows_are_computed_only_while_a_deeper_layer_scores_them():
+    """`GuidanceState.read_rows`: a layer computes the rows of the prompts some deeper layer scores, the span over
+    streams (ragged prompts included), and none from the last scoring layer on. With LLaVA-OV's plan on 4 layers
+    (layer 1 scores the mixed prompt, layers 2-3 the global one), layer 0 runs both prompts, layers 1-2 the global
+    one only. The guidance tests against eager attention (stream_checks) check that no needed row is dropped."""
+    from hermes.attention import GuidanceState
+    segments = (((0, 42), (42, 62)), ((0, 40), (40, 58)))  # the second stream's prompts tokenize shorter
+    state = GuidanceState(stored=32, segments=segments, segment_of_layer=(None, 0, 1, 1), last_layer=3)
+    assert [state.read_rows(layer) for layer in range(4)] == [(0, 62), (40, 62), (40, 62), None]
+    local_first = GuidanceState(stored=0, segments=(((0, 5), (5, 9), (9, 12)),),
+                                segment_of_layer=(0, 0, 1, None, 2), last_layer=4)
+    assert [local_first.read_rows(layer) for layer in range(5)] == [(0, 12), (5, 12), (9, 12), (9, 12), None]
