@@ -375,8 +375,8 @@ def _use_native(native_choice: bool | None, keys: torch.Tensor, values: torch.Te
 
 
 def _angle_table(delta: torch.Tensor, inv_freq: torch.Tensor):
-    """cos, sin float32 [R, D/2] (what the C kernel reads) of the distinct integer deltas, each row's table index (int32, delta's shape) and the row
-    of delta 0 (-1 if none). CPU only: the table size is read from the data.
+    """cos, sin float32 [R, D/2] (what the C kernel reads) of the distinct integer deltas, each row's table index
+    (int32, delta's shape) and the row of delta 0 (-1 if none). CPU only: the table size is read from the data.
 
     Rows cover the range min..max when that is no longer than the deltas themselves (the usual case: a step's
     deltas span about V), else only the distinct values. Angles are `rotary_cos_sin`'s, so bit-equal per delta.
@@ -395,11 +395,13 @@ def _angle_table(delta: torch.Tensor, inv_freq: torch.Tensor):
     return cos.contiguous(), sin.contiguous(), index.to(torch.int32).view(delta.shape), zero
 
 
-def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq, mrope_section):
+def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq, mrope_section, stream=False):
     """Row work in one call of the C kernel (compact_cpu.c): each (layer, stream, head) row is walked once, left to
     right, in place; same arguments and result as `_rows_torch` except the sums come back in float64.
     delta=None (no pruned tokens): nothing rotates, rows only move — every token reads the one table row of
-    delta 0, so the walk skips the tokens that stay and copies the others exactly."""
+    delta 0, so the walk skips the tokens that stay and copies the others exactly. stream: rows that change slot are
+    written with streaming stores (`put_row` in the C file: for moves whose destinations the walk has not just
+    read, H2SVC's)."""
     L, B, Hkv, N, D = keys.shape
     if delta is None:
         A, mrope_section = 1, None
@@ -429,7 +431,7 @@ def _rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq
                     ctypes.c_int64(P), ctypes.c_int64(src.shape[-1]), ptr(src.data_ptr()), ptr(ktab.data_ptr()),
                     ctypes.c_int64(A), ptr(section.data_ptr()), ptr(cos.data_ptr()), ptr(sin.data_ptr()),
                     ctypes.c_int32(zero), ctypes.c_int64(first), ctypes.c_int64(m), ptr(pruned.data_ptr()),
-                    ptr(ptab.data_ptr()), ptr(sums[0].data_ptr()), ptr(sums[1].data_ptr()),
+                    ptr(ptab.data_ptr()), ptr(sums[0].data_ptr()), ptr(sums[1].data_ptr()), ctypes.c_int(int(stream)),
                     ctypes.c_int(torch.get_num_threads()))
     if status != 0:
         raise RuntimeError(f"compact_cpu.c: hermes_compact_rows returned {status} "

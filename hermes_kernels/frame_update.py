@@ -22,13 +22,15 @@ One step, every row at once:
 The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it
 reads no tensor on the host (held, F, first_frame, next_position and reindex are the caller's host values), so
 a step on CUDA does not synchronise. On CPU tensors step 4's new positions and deltas come from one C call
-(`_reindex_native`, compact_cpu.c) when the library builds, else from the same torch ops. The row work is what the backends differ in:
+(`_reindex_native`, compact_cpu.c) when the library builds, else from the same torch ops. The row work is what
+the backends differ in:
   h2svc_step_triton — ONE move launch (grid: rows·streams·work items × token tiles) after the feature and STCE
       launches of an EPISODIC block;
   h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
-      `compact._rows_native`): every row walked once, left to right, in place; otherwise (fp16, fp64, CUDA
-      tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the "torch-ops" path) torch ops over all rows at once:
-      one indexed copy of the movers' frames, or compaction's tiled rotation (`compact._rows_torch`).
+      `compact._rows_native`, moved rows written with streaming stores): every row walked once, left to right,
+      in place; otherwise (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the "torch-ops"
+      path) torch ops over all rows at once: one indexed copy of the movers' frames, or compaction's tiled
+      rotation (`compact._rows_torch`).
 Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
   reindex False: the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
       their positions; nothing else in the cache is touched;
@@ -250,7 +252,7 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mr
     home_tokens = _tokens(work.source, P, T)  # the C walk and the tiled rotation write list entry i to slot P + i
     if _use_native(None, k5, v5):
         # without re-indexing (delta None) the walk skips every token that stays and copies the movers exactly
-        _rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
+        _rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section, stream=True)
     elif work.delta is not None:
         _rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
     else:
