@@ -115,6 +115,15 @@ class HermesPolicy:
             dtype=attention.k_proj.weight.dtype, inv_freq=inv_freq, mrope_section=mrope_section,
             layer_devices=[layer.self_attn.k_proj.weight.device for layer in language_model.layers])
         self.plan = GuidancePlan.from_config(config)
+        self._prompt_ids: tuple[tuple, list] | None = None  # (last_convs, their prompts' token ids)
+
+    def prompt_ids(self, stream: "HermesStream") -> list[list[list[int]]]:
+        """`plan.token_ids` for the streams' last conversations, tokenized again only when those change (every
+        compressing chunk needs them; tokenizing both prompts cost ~0.2 ms a chunk on the tiny models)."""
+        key = tuple(stream.last_convs)
+        if self._prompt_ids is None or self._prompt_ids[0] != key:
+            self._prompt_ids = key, self.plan.token_ids(stream.tokenizer, stream.last_convs)
+        return self._prompt_ids[1]
 
     def append_chunk(self, stream: "HermesStream", chunk: VideoChunk) -> CompressResult | None:
         """Prefill `chunk`; past the budget score and compress (the step's result), else None. Raises ValueError
@@ -122,7 +131,7 @@ class HermesPolicy:
         cache, cfg = self.cache, self.cfg
         count = chunk.embeds.shape[1]
         compress = cache.length + count - cfg.prefix_len > cfg.budget
-        ids = self.plan.token_ids(stream.tokenizer, stream.last_convs) if compress else None
+        ids = self.prompt_ids(stream) if compress else None
         needed = cache.length + count + (guidance_length(ids) if compress else 0)
         if needed > cache.capacity:
             raise ValueError(f"room: the chunk ({count} tokens) and the guidance prompts need {needed} slots, "

@@ -136,3 +136,29 @@ def test_prompt_rows_are_computed_only_while_a_deeper_layer_scores_them():
     local_first = GuidanceState(stored=0, segments=(((0, 5), (5, 9), (9, 12)),),
                                 segment_of_layer=(0, 0, 1, None, 2), last_layer=4)
     assert [local_first.read_rows(layer) for layer in range(5)] == [(0, 12), (5, 12), (9, 12), (9, 12), None]
+
+
+def test_guidance_prompts_follow_the_last_conversation(case, monkeypatch):
+    """The policy tokenizes the guidance prompts once per change of the streams' last conversations: every
+    compressing chunk still runs the prompts of the conversation at that moment (before a question, after one,
+    after another, after a reset), on both the fused and the separate path."""
+    import hermes.stream as hs
+    g = torch.Generator().manual_seed(24)
+    model = case.build()
+    real = hs.run_guidance
+    for fused_guidance in (True, False):
+        stream = make_stream(case, model, budget=40, batch_size=2, fused_guidance=fused_guidance)
+        seen = []
+        monkeypatch.setattr(hs, "run_guidance", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+        wanted = []
+        for index in range(9):
+            if index in (3, 5):
+                stream.ask([QUESTION, "yes"] if index == 3 else ["yes", QUESTION], max_new_tokens=2)
+            if index == 7:
+                stream.reset()
+            before = len(seen)
+            stream.append_video(**case.chunk(2, g))
+            if len(seen) > before:
+                wanted.append(stream.policy.plan.token_ids(stream.tokenizer, stream.last_convs))
+        assert len(seen) >= 4 and seen == wanted
+        assert len({str(ids) for ids in seen}) >= 3, "the questions should change the prompts"
