@@ -9,6 +9,8 @@ The prompts that are needed run as ONE forward over the language model: their to
 after the other (per stream; streams whose prompts tokenize to different lengths are padded at the end) and
 the attention function (`hermes.attention`) keeps them apart (each sees the cache and, causally, itself).
 Nothing of them stays in the cache; every prompt gets the positions right after each layer's last position.
+A layer computes only the rows of prompts that some deeper layer scores (the others are zeros nobody reads:
+`GuidanceState.read_rows`), so a prompt costs attention up to its last scoring layer only.
 
 Two ways to run it (DESIGN.md §4):
 - fused (`chunk=`): the prompts ride behind a chunk's own prefill, in the same forward. The chunk's tokens
