@@ -423,9 +423,9 @@ def test_bad_input_raises_before_writing(backend):
 @pytest.mark.parametrize("axes", [1, 3])
 def test_c_reindex_plans_like_the_torch_ops(axes, monkeypatch):
     """Step 4's plan in C (compact_cpu.c `hermes_frame_reindex`: the old positions gathered through the slot plan,
-    per-axis counting ranks, right alignment) against the sort ranks of the torch ops on GPUs, exactly: strided positions, repeated
-    and negative coordinates, sources in home and overflow slots, two streams, E set by different axes in
-    different rows. Positions are only read. A row whose span is too wide to count returns None (the torch ops
+    per-axis counting ranks, right alignment) against the sort ranks of the torch ops on GPUs, exactly: strided
+    positions, repeated and negative coordinates, sources in home and overflow slots, two streams, E set by
+    different axes in different rows. Positions are only read. A row whose span is too wide to count returns None (the torch ops
     then plan); with HERMES_KERNELS_NATIVE=0 it returns None without calling C."""
     require_c_library("compact_cpu")
     g = torch.Generator().manual_seed(99)
