@@ -131,6 +131,12 @@ def _dense_rank(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(ordered).scatter_(-1, order, changed.cumsum(-1))
 
 
+def _counting_span_limit(n: int) -> int:
+    """The widest span of a row's values (max - min) that the counting ranks of n lanes take on: past it (positions
+    far apart) a sort is cheaper. Shared by `_dense_rank_counting` and H2SVC's C re-index plan."""
+    return max(4 * n, 1 << 16)
+
+
 def _dense_rank_counting(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """`_dense_rank` of CPU tensors by counting instead of sorting; ranks of invalid lanes are unspecified.
 
@@ -140,7 +146,7 @@ def _dense_rank_counting(values: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     (positions far apart), the sort of `_dense_rank` is cheaper and used.
     """
     n = values.shape[-1]
-    widest = max(4 * n, 1 << 16)
+    widest = _counting_span_limit(n)
     lib = native.library("compact_cpu")
     if lib is not None:
         return _dense_rank_native(lib, values, valid, widest)

@@ -208,6 +208,14 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
 DEFINE_WALK(walk_f32, DTYPE_F32)
 DEFINE_WALK(walk_bf16, DTYPE_BF16)
 
+/* Workers for `items` independent pieces of work: the caller's thread count, at least 1, at most MAX_THREADS and
+ * never more than there are items. */
+static int worker_count(int threads, int64_t items) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > items) threads = (int)items;
+    return threads < 1 ? 1 : threads;
+}
+
 /* fn on jobs[0 .. threads) (each `size` bytes): workers 1.. on threads of their own; worker 0, and any worker whose
  * thread could not start, on the calling thread. Returns nonzero if a thread could not be joined. */
 static int run_workers(void *(*fn)(void *), char *jobs, size_t size, int threads) {
@@ -248,8 +256,7 @@ int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const
                         double *ksum, double *vsum, int stream, int threads) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     if (shape[3] % 2 || shape[3] / 2 > MAX_HALF || A < 1 || A > 3) return 1;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    threads = worker_count(threads, shape[0] * shape[1] * shape[2]);
     job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; ++t)
         jobs[t] = (job_t){(char *)k, (char *)v, dtype, shape[0], shape[1], shape[2], shape[3], kstride,
@@ -339,9 +346,7 @@ static int worst_status(const char *jobs, size_t size, size_t offset, int thread
  * calling thread. */
 int hermes_dense_rank(const int64_t *values, const uint8_t *valid, int64_t rows, int64_t n, int64_t max_span,
                       int64_t *rank, int threads) {
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > rows) threads = rows > 0 ? (int)rows : 1;
+    threads = worker_count(threads, rows);
     rank_job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; ++t) jobs[t] = (rank_job_t){values, valid, rank, rows, n, max_span, threads, t, 0};
     if (run_workers(rank_worker, (char *)jobs, sizeof jobs[0], threads)) return 2;
@@ -398,9 +403,7 @@ static void *reindex_worker(void *arg) {
 int hermes_frame_reindex(const int64_t *pos, const int64_t *pstride, int64_t rows, int64_t B, int64_t A,
                          const int64_t *source, int64_t held, int64_t P, int64_t T, int64_t next_position,
                          int64_t max_span, int64_t *out_new, int64_t *out_delta, int threads) {
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > rows * B) threads = rows * B > 0 ? (int)(rows * B) : 1;
+    threads = worker_count(threads, rows * B);
     reindex_job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; ++t)
         jobs[t] = (reindex_job_t){pos, pstride, source, rows, B, A, held, P, T, next_position, max_span,

@@ -54,7 +54,8 @@ from hermes.h2svc.validation import check_arriving_features
 from . import frame_features as _features
 from . import native
 from . import stce as _stce
-from .compact import _dense_rank, _dense_rank_counting, _rows_native, _rows_torch, _use_native
+from .compact import (_counting_span_limit, _dense_rank, _dense_rank_counting, _rows_native, _rows_torch,
+                      _use_native)
 from .gpu_specs import H2SVCCase, gpu_spec
 from .launch import launch
 
@@ -156,7 +157,7 @@ def _reindex_native(pos: torch.Tensor, source: torch.Tensor, prefix_len: int, to
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     status = lib.hermes_frame_reindex(ptr(pos.data_ptr()), ptr(stride.data_ptr()), i64(H), i64(B), i64(A),
                                       ptr(source.data_ptr()), i64(source.shape[-1]), i64(prefix_len),
-                                      i64(tokens_per_frame), i64(next_position), i64(max(4 * n, 1 << 16)),
+                                      i64(tokens_per_frame), i64(next_position), i64(_counting_span_limit(n)),
                                       ptr(new.data_ptr()), ptr(delta.data_ptr()), ctypes.c_int(torch.get_num_threads()))
     if status == 3:
         return None
