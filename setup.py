@@ -1,10 +1,11 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="hermes-kernels",
     version="0.1.0",
     description="Fused Triton kernels and a transformers cache for HERMES streaming-video KV-cache compression",
-    packages=["hermes", "hermes.h2svc", "hermes.models", "hermes_kernels", "bench"],
+    # the kernel library and the model glue; bench/ and tests/ run from the checkout and are not installed
+    packages=find_packages(include=["hermes", "hermes.*", "hermes_kernels", "hermes_kernels.*"]),
     package_data={"hermes_kernels": ["*.c"]},  # compiled on first use by hermes_kernels.native
     python_requires=">=3.10",
     install_requires=[
@@ -18,5 +19,6 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "video": ["av>=12", "tqdm>=4.60"],  # python -m hermes: PyAV decodes, tqdm shows progress
         "flash": ["flash-attn>=2.6"],
+        "dev": ["ruff>=0.6", "mkdocs>=1.6,<2", "mkdocs-material>=9.5"],  # .ci/run: lint and the docs site
     },
 )

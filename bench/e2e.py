@@ -65,9 +65,10 @@ class BaselineStream:
     def __init__(self, model, tokenizer, budget: int):
         from transformers import DynamicCache
 
-        from hermes import reference
-        from hermes.guidance import guidance_prompts
+        from hermes.policies.hermes.guidance import guidance_prompts
+        from hermes_kernels.policies.hermes import reference
         from hermes.models import family_of
+        from hermes_kernels import HermesConfig
 
         self.family = family_of(model)
         self.model = model
@@ -78,8 +79,8 @@ class BaselineStream:
         self.prompt_ids = {kind: torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
                            for kind, text in guidance_prompts().items()}
         num_layers = len(self.lm.layers)
-        self.cfg = self.family.preset(num_layers, budget, len(prefix), model.config.get_text_config()
-                                      .max_position_embeddings)
+        self.cfg = HermesConfig.preset(self.family.preset_name, num_layers, budget, len(prefix),
+                                       max_positions=model.config.get_text_config().max_position_embeddings)
         self.inv_freq, _ = self.family.rotary(model)
         self.prompt_of_layer = [("local", "mixed", "global")[r] for r in self.cfg.role.tolist()]
         self.cache = DynamicCache(config=self.lm.config)
@@ -133,7 +134,7 @@ def run(device: torch.device, quick: bool = False) -> E2EResult:
     """Time one streaming step per chunk with our stream and with the baseline (CPU; tiny model)."""
     if device.type != "cpu":
         raise Unavailable("the end-to-end step runs on CPU (tiny model); use tests/ for model checks on CUDA")
-    from bench.tiny_models import llava_pixels, tiny_llava_ov, tiny_tokenizer
+    from hermes.testing import llava_pixels, tiny_llava_ov, tiny_tokenizer
     from hermes.stream import HermesStream
     setting = QUICK if quick else FULL
     tokenizer = tiny_tokenizer()

@@ -7,11 +7,9 @@ names its family's preset of both policies: HERMES (`config`) and H2SVC (`h2svc_
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 import torch
 
-from hermes import H2SVCConfig, HermesConfig
+from hermes_kernels import H2SVCConfig, HermesConfig
 
 TOKENS_PER_FRAME = 196      # 14 x 14 merged patches per frame (LLaVA-OV after pooling, Qwen2.5-VL merged grid)
 GRID_WIDTH = 14             # merged-grid width; M-RoPE h/w coordinates come from it
@@ -32,8 +30,7 @@ class ModelShape:
     head_dim: int
     rope_theta: float
     max_positions: int
-    preset: Callable[..., HermesConfig]
-    h2svc_preset: Callable[..., H2SVCConfig]
+    preset_name: str  # the family's preset in both policies' configs (`HermesConfig.preset`, `H2SVCConfig.preset`)
     mrope_section: tuple[int, int, int] | None = None
     h2svc_windows: tuple[int, int, int] | None = None  # (W_s, W_w, N_e) frames; None: the seed's 4 / 16 / 64
 
@@ -44,28 +41,29 @@ class ModelShape:
 
     def config(self, budget: int, prefix_len: int = PREFIX_LEN, reindex: str = "eager") -> HermesConfig:
         """The model family's HERMES preset at this shape."""
-        return self.preset(self.num_layers, budget, prefix_len, max_positions=self.max_positions,
-                           reindex=reindex)
+        return HermesConfig.preset(self.preset_name, self.num_layers, budget, prefix_len,
+                                   max_positions=self.max_positions, reindex=reindex)
 
     def h2svc_config(self, prefix_len: int = PREFIX_LEN, tokens_per_frame: int = TOKENS_PER_FRAME,
                      reindex: str = "eager") -> H2SVCConfig:
         """The model family's H2SVC preset at this shape: default ratios and the default (depth-order) head map."""
         windows = {} if self.h2svc_windows is None else dict(zip(("instant_frames", "short_frames",
                                                                    "episodic_frames"), self.h2svc_windows))
-        return self.h2svc_preset(self.num_layers, self.num_kv_heads, prefix_len, max_positions=self.max_positions,
-                                 tokens_per_frame=tokens_per_frame, reindex=reindex, **windows)
+        return H2SVCConfig.preset(self.preset_name, self.num_layers, self.num_kv_heads, prefix_len,
+                                  max_positions=self.max_positions, tokens_per_frame=tokens_per_frame,
+                                  reindex=reindex, **windows)
 
 
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("llava-ov-7b", num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
-               max_positions=32768, preset=HermesConfig.llava_ov, h2svc_preset=H2SVCConfig.llava_ov),
+               max_positions=32768, preset_name="llava_ov"),
     ModelShape("llava-ov-0.5b", num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6,
-               max_positions=32768, preset=HermesConfig.llava_ov, h2svc_preset=H2SVCConfig.llava_ov),
+               max_positions=32768, preset_name="llava_ov"),
     ModelShape("qwen2.5-vl-7b", num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
-               max_positions=128000, preset=HermesConfig.qwen2_5_vl, h2svc_preset=H2SVCConfig.qwen2_5_vl,
+               max_positions=128000, preset_name="qwen2_5_vl",
                mrope_section=(16, 24, 24)),
     ModelShape("qwen2.5-vl-3b", num_layers=36, num_heads=16, num_kv_heads=2, head_dim=128, rope_theta=1e6,
-               max_positions=128000, preset=HermesConfig.qwen2_5_vl, h2svc_preset=H2SVCConfig.qwen2_5_vl,
+               max_positions=128000, preset_name="qwen2_5_vl",
                mrope_section=(16, 24, 24)),
 )}
 
@@ -73,10 +71,10 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
 # memories are 2 / 4 / 8 frames, so a re-indexed episodic memory of 196-token frames fits 4096 positions.
 SMOKE_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("smoke-1d", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4,
-               max_positions=4096, preset=HermesConfig.llava_ov, h2svc_preset=H2SVCConfig.llava_ov,
+               max_positions=4096, preset_name="llava_ov",
                h2svc_windows=(2, 4, 8)),
     ModelShape("smoke-mrope", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4,
-               max_positions=4096, preset=HermesConfig.qwen2_5_vl, h2svc_preset=H2SVCConfig.qwen2_5_vl,
+               max_positions=4096, preset_name="qwen2_5_vl",
                mrope_section=(4, 6, 6), h2svc_windows=(2, 4, 8)),
 )}
 

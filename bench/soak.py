@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import sys
 import time
-import warnings
 
 import torch
 from tqdm import tqdm
 
-from bench.tiny_models import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 from hermes.stream import HermesStream
+from hermes.testing import live_tensors, llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 
 FAMILIES = ("llava_ov", "qwen2_5_vl")
 QUESTIONS = ("what is the person holding ?", "where is the red cup the man is holding ?")  # ragged
@@ -58,17 +56,6 @@ class Report:
                 f"{self.tensor_bytes / 2**20:8.3f} MiB | length {self.length:4d} | positions "
                 f"{self.positions[0]}..{self.positions[1]:4d} | {self.ms_per_chunk:6.2f} ms/chunk | steps "
                 f"{self.steps} compactions {self.compactions}")
-
-
-def live_tensors() -> tuple[int, int]:
-    """(count, bytes of distinct storages) of every tensor alive in the process, after a full collection:
-    the CPU allocator keeps no statistics, so this census is how a per-step leak shows."""
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() pokes deprecated torch.distributed aliases
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return len(tensors), sum(storages.values())
 
 
 def rss_mib() -> float | None:

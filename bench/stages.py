@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from hermes import H2SVCConfig, HermesConfig
-from hermes.h2svc import EPISODIC, INSTANT, SHORT
+from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 
 from .shapes import GRID_WIDTH, MROPE_TIME_STEP, PREFIX_LEN, TOKENS_PER_FRAME, ModelShape
 
@@ -307,7 +307,7 @@ def backend_op(backend: str, name: str, policy: str = "hermes") -> Callable:
         return eager_pooled_attention
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS + ('eager',)}, got {backend!r}")
-    reference = "hermes.h2svc.reference" if policy == "h2svc" else "hermes.reference"
+    reference = f"hermes_kernels.policies.{policy}.reference"
     module_name = reference if backend == "reference" else "hermes_kernels"
     try:
         module = importlib.import_module(module_name)

@@ -15,8 +15,11 @@ import time
 
 import torch
 
-import hermes.stream as hs
-from bench.tiny_models import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
+import hermes.policies.hermes.policy as hermes_policy
+from hermes.cache import prefill
+from hermes.policies.hermes.guidance import run_guidance
+from hermes.stream import HermesStream
+from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 from hermes.attention import attention_implementation
 
 TARGET = 1.3  # issue 11: fused guidance + compression within 1.3x the chunk's prefill alone
@@ -31,7 +34,7 @@ def chunker(name, g, frames):
 def build(name, budget, frames, room=200, model=None, **kw):
     model = model or (tiny_llava_ov() if name == "llava_ov" else tiny_qwen2_5_vl())
     extra = {} if name == "llava_ov" else {"frame_size": (16, 16)}
-    return hs.HermesStream(model, tiny_tokenizer(), budget=budget, chunk_frames=frames, room=room, **extra, **kw)
+    return HermesStream(model, tiny_tokenizer(), budget=budget, chunk_frames=frames, room=room, **extra, **kw)
 
 
 class Timers:
@@ -58,8 +61,7 @@ def time_split(name, budget, frames, steps=40, room=200):
                for mode in ("separate", "fused")}
     timers = {mode: Timers() for mode in streams}
     active = {"mode": None}
-    run_guidance = hs.run_guidance
-    hs.run_guidance = lambda *a, **k: timers[active["mode"]].wrap("guidance", run_guidance)(*a, **k)
+    hermes_policy.run_guidance = lambda *a, **k: timers[active["mode"]].wrap("guidance", run_guidance)(*a, **k)
     for mode, stream in streams.items():
         stream.cache.compress = timers[mode].wrap("compress", stream.cache.compress)
         stream.family.encode_video = timers[mode].wrap("encode", stream.family.encode_video)
@@ -80,7 +82,7 @@ def time_split(name, budget, frames, steps=40, room=200):
             with torch.no_grad():
                 encoded = fused.family.encode_video(fused.model, None, **c, batch_size=1)
                 t_vision = time.perf_counter() - t
-                hs.prefill(fused.language_model, fused.cache, encoded)
+                prefill(fused.language_model, fused.cache, encoded)
             row["alone"] = time.perf_counter() - t
             row["vision"] = t_vision
             fused.cache.truncate(length)
@@ -96,7 +98,7 @@ def time_split(name, budget, frames, steps=40, room=200):
                 row[mode + " rest"] = row[mode] - spent["encode"] - spent["guidance"] - spent["compress"]
             rows.append(row)
     finally:
-        hs.run_guidance = run_guidance
+        hermes_policy.run_guidance = run_guidance
     # the runner is shared (load ~5 on 2 cores): the fastest of 40 chunks is the cost, the median the noise
     best = {key: min(r[key] for r in rows) * 1e3 for key in rows[0]}
     noisy = {key: statistics.median(r[key] for r in rows) * 1e3 for key in ("alone", "separate", "fused")}
@@ -140,12 +142,12 @@ def memory(name="llava_ov", budget=3000, frames=16):
             break
     c = chunk()
     with torch.no_grad():
-        hs.prefill(stream.language_model, stream.cache, stream.family.encode_video(stream.model, None, **c,
+        prefill(stream.language_model, stream.cache, stream.family.encode_video(stream.model, None, **c,
                                                                                    batch_size=1))
     N = stream.cache.length
     ids = stream.policy.plan.token_ids(stream.tokenizer, stream.last_convs)
     with torch.no_grad():
-        ours = peak_bytes(lambda: hs.run_guidance(stream.language_model, stream.cache, stream.policy.plan, ids))
+        ours = peak_bytes(lambda: run_guidance(stream.language_model, stream.cache, stream.policy.plan, ids))
         eager = {}
         for index, kind in enumerate(stream.policy.plan.kinds):
             cache = DynamicCache()

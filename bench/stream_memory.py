@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from hermes.h2svc import CLASS_NAMES
-from hermes.h2svc.cache import class_capacity
+from hermes_kernels.policies.h2svc.config import CLASS_NAMES
+from hermes.policies.h2svc.cache import class_capacity
 
 from .shapes import PREFIX_LEN, TOKENS_PER_FRAME, get_shape
 from .stages import cache_bytes

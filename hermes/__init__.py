@@ -1,12 +1,12 @@
-"""HERMES: hierarchical KV-cache compression for streaming video LLMs (the method and the model glue).
+"""The model glue over `hermes_kernels`: the policies' `transformers` caches, the one registered attention
+function, the streaming front, the model families, video decoding, the CLI and the H2SVC head profiler
+(docs/index.md). It needs transformers; the kernel library does not.
 
-Two policies share this engine: HERMES (`hermes.config`, `hermes.reference`) and H2SVC (`hermes.h2svc`).
-
-`hermes.config`, `hermes.rope` and `hermes.reference` need only torch; the model glue (`hermes.cache`,
-`hermes.attention`, `hermes.stream`) imports transformers when it is imported itself.
+The names most users need are re-exported here (docs/api.md lists every public path).
 """
-from .config import HermesConfig
-from .h2svc import H2SVCConfig
-from .reference import CompressResult
+from hermes.policies.h2svc.cache import H2SVCCache
+from hermes.policies.hermes.cache import HermesCache
+from hermes.stream import HermesStream
+from hermes_kernels import CompressResult, H2SVCConfig, HermesConfig
 
-__all__ = ["HermesConfig", "H2SVCConfig", "CompressResult"]
+__all__ = ["HermesConfig", "H2SVCConfig", "HermesStream", "HermesCache", "H2SVCCache", "CompressResult"]

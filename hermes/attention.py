@@ -1,29 +1,18 @@
-"""The attention function HERMES registers with transformers (DESIGN.md §2.3, §2.8, §3 "Model level").
+"""The one attention function the engine registers with transformers, and the model's own attention it falls
+back to (docs/policies.md).
 
 `hermes_attention_forward` is registered as "hermes" in transformers' `AttentionInterface` and set on the
 language model only (`patch_model`). It is deliberately absent from `AttentionMaskInterface`, so the model
-hands it `attention_mask=None` and it applies causality itself. For every layer it:
-
-(a) rotates the incoming tokens' q and k from the default positions the model ran with (`length + i`) to the
-    layer's true positions, one rotary delta per (layer, stream, token) taken from the cache (§2.7–2.8);
-    the rotated keys are written back into the cache's slots;
-(b) during a guidance pass (`cache.guidance` set, see `hermes.guidance`) computes
-    `hermes_kernels.pooled_attention` of the layer's guidance prompt over the cache and stores the visual
-    part in `cache.guidance_attn`. On its own the pass stops the forward after the last layer that needs a
-    score; fused into a chunk's prefill (DESIGN.md §4) the chunk's rows go through (c) exactly as in a plain
-    forward (their own call, their own mask) and the prompts' rows, which follow them, are computed apart;
-(c) otherwise calls the model's own attention: flash-attn when installed and running on CUDA half
-    precision, sdpa elsewhere, with a bottom-right causal mask when queries follow cached keys and the
-    padding slots of a ragged question batch hidden (`HermesCache.hidden_keys`; sdpa then).
-
-Calls whose keys do not come from a policy cache (no cache, a `DynamicCache`) go straight to (c). Keys from
-another policy's cache (`hermes.h2svc.cache.H2SVCCache`: per-class blocks) go to that cache's own `attend`,
-which reuses (c) once per class block.
+hands it `attention_mask=None` and causality is applied here or by the cache. A call whose keys come from a
+policy cache (found through `hermes.cache.claim_update`) is handed to that cache's `attend`, which rotates the
+incoming tokens to their true positions and runs the policy's attention (HERMES: `hermes.policies.hermes.attention`;
+H2SVC: `hermes.policies.h2svc.attention`). Any other call (no cache, a `DynamicCache`) goes to the model's own
+attention, `model_attention`: flash-attn when installed and running on CUDA half precision, sdpa elsewhere, with
+a bottom-right causal mask when queries follow cached keys.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 from transformers import AttentionInterface
@@ -31,96 +20,22 @@ from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
-import hermes_kernels as hk
-from hermes.cache import HermesCache, claim_update
-from hermes.rope import apply_rotary_delta
+from hermes.cache import claim_update
 
 HERMES_ATTENTION = "hermes"
-
-
-class GuidanceDone(Exception):
-    """Raised after the last layer that needs a guidance score: the rest of the forward (and the LM head)
-    would only be thrown away."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GuidanceState:
-    """What the attention function needs during a guidance pass (set on `cache.guidance`).
-
-    stored:           the forward's leading tokens that are a chunk being stored (guidance fused into its
-                      prefill); 0 for a guidance pass on its own. The prompt tokens follow them.
-    segments:         per stream, the (start, end) range of each prompt among the prompt tokens (the forward's
-                      tokens after the `stored` ones); each prompt attends to the cache, the stored chunk and,
-                      causally, itself, never to another prompt. Slots past a stream's last prompt are padding.
-    segment_of_layer: per layer, the index of the prompt whose pooled attention it needs, or None.
-    last_layer:       the deepest layer that needs a score: a pass on its own stops after it; fused, the prompt
-                      rows are not computed from there on. Before it, a layer computes only the rows of prompts a
-                      deeper layer scores (`read_rows`).
-    backend:          `hermes_kernels` backend of the pooled attention ("auto" | "triton" | "torch").
-    """
-
-    stored: int
-    segments: tuple[tuple[tuple[int, int], ...], ...]
-    segment_of_layer: tuple[int | None, ...]
-    last_layer: int
-    backend: str = "auto"
-
-    def runs(self, segment: int) -> list[tuple[slice, int, int]]:
-        """(streams, start, end): runs of consecutive streams whose prompt `segment` has the same range, so that
-        each run's pooled attention is one call (one run when the streams' prompts tokenize alike)."""
-        runs: list[tuple[slice, int, int]] = []
-        for b, bounds in enumerate(self.segments):
-            lo, hi = bounds[segment]
-            if runs and runs[-1][1:] == (lo, hi):
-                runs[-1] = (slice(runs[-1][0].start, b + 1), lo, hi)
-            else:
-                runs.append((slice(b, b + 1), lo, hi))
-        return runs
-
-    def read_rows(self, layer: int) -> tuple[int, int] | None:
-        """(start, end) among the prompt tokens: the rows whose output at `layer` some deeper layer reads (the
-        span, over streams, of every prompt a deeper layer scores); None when no deeper layer scores one."""
-        later = {segment for segment in self.segment_of_layer[layer + 1:] if segment is not None}
-        if not later:
-            return None
-        bounds = [stream[segment] for stream in self.segments for segment in later]
-        return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
 
 
 def hermes_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface entry: query [b, H, T, D] (post-RoPE at default positions), key/value
-    [b, Hkv, N + T, D] as returned by `cache.update`. Returns (output [b, T, H, D], None)."""
+    """transformers attention-interface entry: query [b, H, T, D] (post-RoPE at default positions), key/value as
+    returned by `cache.update`. Returns (output [b, T, H, D], None). Keys from a policy cache go to that cache's
+    `attend`; anything else to the model's own attention."""
     claimed = claim_update(key)
     if claimed is None:
         return model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     cache, layer = claimed
-    if not isinstance(cache, HermesCache):
-        return cache.attend(module, layer, query, dropout=dropout, scaling=scaling, **kwargs)
-    start = key.shape[2] - query.shape[2]
-    delta = cache.incoming_delta(layer).unsqueeze(1)  # [b, 1, T] or [b, 1, 3, T]: broadcast over heads
-    inv_freq = cache.layer_inv_freq(layer)
-    query = apply_rotary_delta(query, delta, inv_freq, cache.mrope_section)
-    key[:, :, start:] = apply_rotary_delta(key[:, :, start:], delta, inv_freq, cache.mrope_section)
-    if cache.guidance is not None:
-        return _guidance_attention(module, cache, layer, query, key, value, start, attention_mask, dropout,
-                                   scaling, **kwargs)
-    return _cached_attention(module, cache, query, key, value, attention_mask, dropout, scaling, **kwargs)
-
-
-def _cached_attention(module, cache: HermesCache, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """(c) for queries that are the last T of the keys: the causal mask, built once per forward, whenever the
-    chosen kernel cannot apply it itself, combined with the padding slots the cache hides."""
-    count, total = query.shape[2], key.shape[2]
-    hidden = cache.hidden_keys()
-    if attention_mask is None and hidden is not None:
-        attention_mask = cache.forward_mask(("padded", count, total), query.device,
-                                            lambda: padded_mask(hidden, count, total, query.device))
-    elif attention_mask is None and not flash_usable(query) and 1 < count < total:
-        attention_mask = cache.forward_mask(("causal", count, total), query.device,
-                                            lambda: causal_mask(count, total, query.device))
-    return model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return cache.attend(module, layer, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def flash_usable(query: torch.Tensor) -> bool:
@@ -154,71 +69,6 @@ def padded_mask(hidden: tuple[int, torch.Tensor], count: int, total: int, device
     slots = torch.arange(total, device=device)
     visible = (slots[None, :] < start) | (slots[None, :] >= start + pads.to(device)[:, None])
     return causal_mask(count, total, device) & visible[:, None, None, :]
-
-
-def _guidance_attention(module, cache: HermesCache, layer: int, query, key, value, start: int, attention_mask,
-                        dropout, scaling, **kwargs):
-    """(b): pooled attention of this layer's guidance prompt over the cache (§2.3), and the layer output: the
-    stored chunk's rows exactly as a plain forward computes them, then the prompts' rows (each prompt sees the
-    cache, the chunk and, causally, only itself)."""
-    state: GuidanceState = cache.guidance
-    stored = state.stored
-    base = start + stored  # keys every prompt sees in full: the cache and the stored chunk
-    outputs = []
-    if stored:
-        # the chunk's own call over the keys it would see without prompts: bit-identical to the unfused prefill
-        outputs.append(_cached_attention(module, cache, query[:, :, :stored], key[:, :, :base], value[:, :, :base],
-                                         attention_mask, dropout, scaling, **kwargs)[0])
-    prompts = query[:, :, stored:]
-    b, heads, count, dim = prompts.shape
-    read = state.read_rows(layer)
-    if read is not None:
-        # only the rows of prompts a deeper layer scores (a prompt's rows past its last scoring layer, e.g. the
-        # mixed prompt's after the last mid layer, are never read again); they see no key past their own
-        lo, hi = read
-        mask = cache.forward_mask(("guidance", base), query.device,
-                                  lambda: _segment_mask(state.segments, base, count, query.device))
-        rows = model_attention(module, prompts[:, :, lo:hi], key[:, :, :base + hi], value[:, :, :base + hi],
-                               mask[..., lo:hi, :base + hi], dropout, scaling, **kwargs)[0]
-        # the other rows only have to have the right shape: zeros
-        outputs.append(torch.nn.functional.pad(rows, (0, 0, 0, 0, lo, count - hi)) if hi - lo < count else rows)
-    elif stored:
-        # no deeper layer reads the prompts: their rows only have to have the right shape
-        outputs.append(prompts.new_zeros(b, count, heads, dim))
-    segment = state.segment_of_layer[layer]
-    if segment is not None:
-        prefix = cache.cfg.prefix_len
-        for rows, lo, hi in state.runs(segment):
-            keys = key[rows]
-            if lo > 0:
-                # the pooled-attention kernel wants the prompt's own keys right after the ones it sees in full:
-                # move this prompt's keys in front of the earlier prompts (read-only slots past the stored ones)
-                own = keys[:, :, base + lo:base + hi].clone()
-                keys[:, :, base + hi - lo:base + hi] = keys[:, :, base:base + lo].clone()
-                keys[:, :, base:base + hi - lo] = own
-            pooled = hk.pooled_attention(prompts[rows, :, lo:hi], keys[:, :, :base + hi - lo], scale=scaling,
-                                         backend=state.backend)
-            cache.guidance_attn[layer, rows, :base - prefix] = pooled[:, prefix:base].to(cache.guidance_attn.device)
-    if layer == state.last_layer and not stored:
-        raise GuidanceDone
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
-
-
-def _segment_mask(segments, base: int, count: int, device: torch.device) -> torch.Tensor:
-    """bool [b or 1, 1, Q, base + Q] over Q prompt tokens after `base` keys: every prompt token sees the `base`
-    keys and its own prompt causally (padding tokens, which no prompt sees, form one more segment)."""
-    seg_id = torch.full((len(segments), count), -1, dtype=torch.int64)
-    for b, bounds in enumerate(segments):
-        for index, (lo, hi) in enumerate(bounds):
-            seg_id[b, lo:hi] = index
-    if all(bounds == segments[0] for bounds in segments):
-        seg_id = seg_id[:1]
-    seg_id = seg_id.to(device)
-    pos = torch.arange(count, device=device)
-    causal = pos[None, :] <= pos[:, None]
-    own = (seg_id[:, :, None] == seg_id[:, None, :]) & causal
-    seen = torch.ones(seg_id.shape[0], count, base, dtype=torch.bool, device=device)
-    return torch.cat([seen, own], dim=2)[:, None]
 
 
 def register() -> None:

@@ -32,8 +32,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from hermes.config import HermesConfig
-from hermes.h2svc import EPISODIC, INSTANT, SHORT, H2SVCConfig
+from .policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
+from .policies.hermes.config import HermesConfig
 
 __all__ = ["SpecCase", "H2SVCCase", "H2SVCBlock", "GpuSpec", "gpu_spec", "registered_specs", "jit_kernels",
            "kernel_name"]

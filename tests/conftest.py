@@ -1,4 +1,5 @@
-"""Pick the Triton interpreter when there is no GPU: it must be set before triton is first imported."""
+"""Pick the Triton interpreter when there is no GPU (it must be set before triton is first imported), and the
+fixtures the test folders share. Helpers live in importable modules (tests/utils.py, tests/hermes/streams.py)."""
 import os
 
 import pytest
@@ -7,10 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-TORCH_OPS = "torch-ops"
+from tests.utils import DEVICE, TORCH_OPS  # noqa: E402 (after the interpreter switch: it imports triton)
 
 
 @pytest.fixture
@@ -42,7 +40,7 @@ TINY_FAMILIES = ("llava_onevision", "qwen2_5_vl")
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory):
     """model_type -> folder of a tiny random-weight checkpoint saved with save_pretrained (no download)."""
-    from bench.tiny_models import save_tiny_checkpoint
+    from hermes.testing import save_tiny_checkpoint
     return {family: save_tiny_checkpoint(tmp_path_factory.mktemp(family), family) for family in TINY_FAMILIES}
 
 

@@ -1,10 +1,16 @@
-"""Test helpers: verbose comparisons, per-dtype tolerances, poisoning, synthetic caches."""
+"""Test helpers: the device under test, verbose comparisons, per-dtype tolerances, poisoning, synthetic caches."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from hermes_kernels import native
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: subprocesses run from it
+TORCH_OPS = "torch-ops"  # a `backend` parameter: the torch backend with its C loops switched off (conftest)
 
 # (atol, rtol) per storage dtype of the compared tensor
 TOL = {

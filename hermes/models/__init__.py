@@ -1,19 +1,16 @@
-"""What differs per model family: token layout of a video chunk, positions, prompts, preset (DESIGN.md §3).
+"""What differs per model family: token layout of a video chunk, positions, prompts, presets (docs/hermes.md §3).
 
 A family turns a chunk of video into language-model input embeddings plus the positions of those tokens
 relative to where the chunk starts, names the language model and its rotary module, wraps questions in the
-model's chat format and picks the HERMES and H2SVC presets; it also turns decoded frames into that chunk's inputs
-through the checkpoint's processor (`prepare_frames`, `hermes.models.processing`). `family_of(model)` finds the
-family from `model.config.model_type`, `family_of_type` from the string.
+model's chat format and names its preset in every policy's config (`preset_name`); it also turns decoded frames
+into that chunk's inputs through the checkpoint's processor (`prepare_frames`, `hermes.models.processing`).
+`family_of(model)` finds the family from `model.config.model_type`, `family_of_type` from the string.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-
-from hermes.config import HermesConfig
-from hermes.h2svc.config import H2SVCConfig
 
 
 @dataclasses.dataclass
@@ -40,17 +37,12 @@ class ModelFamily:
 
     model_types: tuple[str, ...] = ()
     system_prompt = "You are a helpful assistant."
-
-    def preset(self, num_layers: int, budget: int, prefix_len: int, max_positions: int, **overrides) -> HermesConfig:
-        raise NotImplementedError
+    # the name of the family's preset in every policy's config (`HermesConfig.preset`, `H2SVCConfig.preset`)
+    preset_name: str = ""
 
     def language_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The decoder stack the cache and attention patch apply to."""
         return model.model.language_model
-
-    def h2svc_preset(self, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int,
-                     max_positions: int, **overrides) -> H2SVCConfig:
-        raise NotImplementedError
 
     def rotary(self, model: torch.nn.Module) -> tuple[torch.Tensor, list[int] | None]:
         """(inv_freq [D/2] taken from the model's rotary module — never recomputed, §2.8, mrope_section)."""

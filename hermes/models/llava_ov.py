@@ -16,9 +16,6 @@ import math
 import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-from hermes.config import HermesConfig
-from hermes.h2svc.config import H2SVCConfig
-
 from . import ModelFamily, VideoChunk, check_pixels
 from .processing import PilVideoProcessor
 
@@ -39,14 +36,7 @@ class LlavaOneVisionPilVideoProcessor(PilVideoProcessor):
 
 class LlavaOneVision(ModelFamily):
     model_types = ("llava_onevision",)
-
-    def preset(self, num_layers, budget, prefix_len, max_positions, **overrides) -> HermesConfig:
-        return HermesConfig.llava_ov(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
-
-    def h2svc_preset(self, num_layers, num_kv_heads, prefix_len, tokens_per_frame, max_positions,
-                     **overrides) -> H2SVCConfig:
-        return H2SVCConfig.llava_ov(num_layers, num_kv_heads, prefix_len, max_positions=max_positions,
-                                    tokens_per_frame=tokens_per_frame, **overrides)
+    preset_name = "llava_ov"
 
     def rotary(self, model):
         return self.language_model(model).rotary_emb.inv_freq, None

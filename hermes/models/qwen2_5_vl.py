@@ -18,9 +18,6 @@ import numpy as np
 import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-from hermes.config import HermesConfig
-from hermes.h2svc.config import H2SVCConfig
-
 from . import ModelFamily, VideoChunk, check_pixels
 from .processing import PilVideoProcessor
 
@@ -95,14 +92,7 @@ def video_rel_positions(grid_thw: tuple[int, int, int], spatial_merge_size: int,
 
 class Qwen2_5_VL(ModelFamily):
     model_types = ("qwen2_5_vl",)
-
-    def preset(self, num_layers, budget, prefix_len, max_positions, **overrides) -> HermesConfig:
-        return HermesConfig.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
-
-    def h2svc_preset(self, num_layers, num_kv_heads, prefix_len, tokens_per_frame, max_positions,
-                     **overrides) -> H2SVCConfig:
-        return H2SVCConfig.qwen2_5_vl(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
-                                      max_positions=max_positions, **overrides)
+    preset_name = "qwen2_5_vl"
 
     def rotary(self, model):
         rotary = self.language_model(model).rotary_emb

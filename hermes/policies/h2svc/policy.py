@@ -1,0 +1,106 @@
+"""H2SVC behind the streaming front: `HermesStream(model, processor, policy="h2svc", head_map=...)`.
+
+    stream = HermesStream(model, processor, policy="h2svc", head_map="map.json")   # a profiler file
+    stream.append_video(chunk)          # prefill with frame-window masks, then one H2SVC step (every class block)
+    stream.ask("What is the person holding?")
+
+`H2SVCPolicy` is the entry of `hermes.stream.POLICIES` for "h2svc": it builds the `H2SVCConfig` (the family's
+preset, a head map, window / ratio / re-index overrides), the `H2SVCCache` sized for the stream's chunks and room,
+and what follows a chunk: its prefill as a chunk of frames, then `cache.step`. Everything else (encoding, room
+checks, atomicity, questions, threads) is the front's, shared with HERMES.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+from hermes.cache import prefill
+from hermes.models import VideoChunk
+from hermes.policy import ModelGeometry, StreamPolicy, register_policy
+from hermes_kernels.policies.h2svc.config import H2SVCConfig
+from hermes_kernels.results import H2SVCChunkResult
+
+from .cache import H2SVCCache
+from .head_map import HeadProfile, check_head_map, load_head_map
+
+
+@register_policy
+class H2SVCPolicy(StreamPolicy):
+    """H2SVC (docs/h2svc.md) for a `HermesStream`: the config, an `H2SVCCache`, and a step after every chunk.
+
+    Args (HermesStream keyword arguments):
+        head_map:         which class every (layer, KV head) belongs to:
+                          - a path to a profiler JSON (`python -m hermes.h2svc.profile`), checked against the model
+                            (`load_head_map`: another model type or shape is refused);
+                          - a `HeadProfile` (checked the same way);
+                          - an int [L, Hkv] map (tensor or nested lists) of INSTANT / SHORT / EPISODIC;
+                          - an `H2SVCConfig` for the whole policy (then no other policy argument; its layers, KV
+                            heads, prefix_len and tokens_per_frame must match the model and the stream);
+                          - None: the documented default map (`default_head_map`: depth order with the seed's ratios),
+                            with a warning that it is not profiled.
+        tokens_per_frame: T_f; default from the family (LLaVA-OV: the tower's pooled grid; Qwen2.5-VL: from the
+                          stream's frame_size, one temporal grid step).
+        reindex, instant_frames, short_frames, episodic_frames, instant_ratio, short_ratio, margin, max_positions:
+                          `H2SVCConfig` fields over the family's preset (max_positions defaults to the model's
+                          max_position_embeddings).
+    """
+
+    name = "h2svc"
+
+    def __init__(self, stream, *, head_map=None, tokens_per_frame: int | None = None, **overrides):
+        model, shape = stream.model, ModelGeometry.of(stream)
+        try:
+            frame_tokens = stream.family.tokens_per_frame(model, stream.frame_size)
+        except ValueError:  # Qwen2.5-VL without frame_size: tokens_per_frame (or the config) must say it
+            frame_tokens = None
+        if isinstance(head_map, H2SVCConfig):
+            if overrides or tokens_per_frame is not None:
+                raise TypeError("head_map: pass an H2SVCConfig alone, or a map with tokens_per_frame / overrides")
+            config = head_map
+            expected = (shape.num_layers, shape.num_kv_heads, shape.prefix_len, frame_tokens or config.tokens_per_frame)
+            got = (config.num_layers, config.num_kv_heads, config.prefix_len, config.tokens_per_frame)
+            if got != expected:
+                raise ValueError(f"head_map: the H2SVCConfig has (layers, KV heads, prefix_len, tokens_per_frame) = "
+                                 f"{got}; the model and stream need {expected}")
+        else:
+            if tokens_per_frame is None:
+                tokens_per_frame = frame_tokens if frame_tokens is not None else \
+                    stream.family.tokens_per_frame(model, stream.frame_size)  # raises, naming frame_size
+            overrides.setdefault("max_positions", shape.max_positions)
+            config = H2SVCConfig.preset(stream.family.preset_name, shape.num_layers, shape.num_kv_heads,
+                                        shape.prefix_len, tokens_per_frame=tokens_per_frame,
+                                        head_map=self._head_map(head_map, model), **overrides)
+        if not config.profiled:
+            warnings.warn("head_map: not profiled; using the default map (seed's ratios by layer depth: the lowest "
+                          "heads instant, then short, the top episodic). Profile the model with python -m "
+                          "hermes.h2svc.profile and pass head_map=PATH", stacklevel=3)
+        chunk_frames = stream.chunk_tokens // config.tokens_per_frame
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_tokens: {stream.chunk_tokens} tokens hold no whole frame of "
+                             f"tokens_per_frame={config.tokens_per_frame}")
+        self.cfg = config
+        self.cache = H2SVCCache(
+            config, batch_size=stream.batch_size, num_heads=shape.num_heads, head_dim=shape.head_dim,
+            chunk_frames=chunk_frames, room=stream.room, dtype=shape.dtype, inv_freq=shape.inv_freq,
+            mrope_section=shape.mrope_section, layer_devices=shape.layer_devices)
+
+    @staticmethod
+    def _head_map(head_map, model):
+        """The int [L, Hkv] map (or None) from a path, a HeadProfile, or a map given as is."""
+        if isinstance(head_map, (str, os.PathLike)):
+            return load_head_map(head_map, model).head_map
+        if isinstance(head_map, HeadProfile):
+            check_head_map(head_map, model)
+            return head_map.head_map
+        return head_map
+
+    def append_chunk(self, stream, chunk: VideoChunk) -> H2SVCChunkResult:
+        """Prefill `chunk` as a chunk of frames (frame-window masks, `hermes.h2svc.attention`), then one step over
+        every class block. ValueError before any forward when its frames are not of the configured size."""
+        count, T_f = chunk.embeds.shape[1], self.cfg.tokens_per_frame
+        if count != chunk.frames * T_f:
+            raise ValueError(f"video: the chunk has {count} tokens in {chunk.frames} frames; the H2SVC cache was built "
+                             f"for frames of tokens_per_frame={T_f} (frame_size)")
+        prefill(stream.language_model, self.cache, chunk, frames=chunk.frames, extent=chunk.extent)
+        return self.cache.step(backend=stream.backend)
+

@@ -1,0 +1,538 @@
+"""Offline routing of H2SVC heads (H2SVC.md §2, spatio-temporal attention profiling) and its command.
+
+    from hermes.cli import load_model
+    from hermes.policies.h2svc.head_map import save_head_map
+    from hermes.policies.h2svc.profile import profile_heads
+
+    loaded = load_model("./llava-onevision-qwen2-7b-ov-hf")
+    profile = profile_heads(loaded.model, loaded.processor, ["a.mp4", "b.mp4"], fps=1, chunk_frames=16)
+    save_head_map(profile, "map.json")          # hermes.h2svc.head_map: the file and its checks
+
+    python -m hermes.h2svc.profile --model PATH --videos a.mp4 b.mp4 --out map.json
+
+A clip runs as the stream lays it out, with a full cache (nothing evicted): the system prefix
+(`family.prefix_text`), the sampled frames chunk by chunk (`hermes.video` samples by timestamp,
+`family.prepare_frames` + `family.encode_video`), then each question (`family.question_text`) after the whole
+clip, the cache cropped back to the video after each one (as the stream truncates after an answer). Every segment
+starts at the largest position so far + 1 and video chunks take the family's relative offsets (Qwen2.5-VL: the
+M-RoPE (t, h, w) triples of `encode_video`, never transformers' get_rope_index).
+
+Attention: the language model (not the vision tower) runs with `profile_attention_forward`, registered in
+transformers' AttentionInterface as PROFILE_ATTENTION for the duration of the call. It is the eager attention
+(scaled scores, causal mask, float32 softmax, output from the softmax cast to the model dtype) computed over
+blocks of query rows; each block's probabilities are reduced at once to the TAD partial sums of that layer, so
+attention holds one [H, block, S] block at a time (plus temporaries of its size), never an [H, S, S] map, let
+alone one per layer. The block has as many rows as fit BLOCK_BYTES of float32 probabilities (or query_block).
+
+Reduction (an exact rearrangement of H2SVC.md §2). A[q, F_j] = Σ_{k ∈ F_j} p[q, k], the float32 probabilities
+summed in float64. All n frames of a clip have the same T_f tokens, each a query exactly once (in its chunk), so
+
+    TAD_V2V = (1/n) Σ_i mean_{q ∈ F_i} Σ_{j ≤ i} (i − j)·A[q, F_j]
+            = 1/(n·T_f) Σ_{q ∈ frames} Σ_j max(i_q − j, 0)·A[q, F_j]
+    TAD_T2V = mean_{q ∈ text} Σ_j (n − 1 − j)·A[q, F_j]           (0-based frames; the newest at distance 0)
+
+are running sums per (layer, query head) (frames j > i_q carry no mass anyway: causality). TAD is linear in A, so
+averaging the query heads of a KV group afterwards equals the reference's averaging of their probabilities
+(`hermes.h2svc.reference.tad_v2v` / `tad_t2v`, which the tests compare against on full attention maps). Clips
+are averaged (mean over videos), then `head_scores` and `classify_heads` give S(h) and the map.
+
+Text queries of T2V (ours): every token of the family's question segment `question_text(question)` (the question
+words and the chat markers that close the user turn and open the answer; the last one predicts the first answer
+token), plus, with answer_tokens > 0, up to that many greedy answer tokens fed back (stopping before the
+end-of-sequence token). With several questions each is asked alone after the whole clip, and a clip's TAD_T2V is
+the mean over its questions.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import textwrap
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from hermes.models import family_of
+from hermes.video import VideoReader, as_fraction
+from hermes_kernels.checks import check_positive_int
+from hermes_kernels.policies.h2svc.config import CLASS_NAMES, class_counts
+from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores
+
+from .head_map import HeadProfile, save_head_map
+
+PROFILE_ATTENTION = "h2svc-profile"
+DEFAULT_QUESTIONS = ("What is happening in the video?",)
+BLOCK_BYTES = 256 * 2**20  # float32 probabilities of one query block, [H, block, S], when query_block is None
+TEXT_QUERIES = ("the tokens of family.question_text(question) after the whole clip, plus up to answer_tokens greedy "
+                "answer tokens fed back; T2V is the mean over questions")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the streamed reduction: eager attention per query block, reduced to TAD partial sums
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Queries:
+    """What the running forward's query tokens are. Frame tokens sit at key indices [P, P + n·T_f).
+
+    visual_start:     P, key index of the first frame token.
+    num_frames:       n, frames among the keys.
+    tokens_per_frame: T_f.
+    frames:           int64 [T] frame index of each query (a video chunk), or None (text queries of T2V).
+    """
+
+    visual_start: int
+    num_frames: int
+    tokens_per_frame: int
+    frames: torch.Tensor | None
+
+
+class TADSums:
+    """Running TAD partial sums of one clip, per layer and query head, float64 [H] on the layer's device.
+
+    `queries` describes the running forward (None: the prefix, which adds nothing). `query_block` rows of queries
+    are taken at a time (None: as many as fit BLOCK_BYTES of float32 probabilities).
+    """
+
+    def __init__(self, num_layers: int, query_block: int | None = None):
+        self.v2v: list[torch.Tensor | None] = [None] * num_layers
+        self.t2v: list[torch.Tensor | None] = [None] * num_layers
+        self.queries: _Queries | None = None
+        self.query_block = query_block
+
+    def block_rows(self, num_heads: int, num_keys: int) -> int:
+        if self.query_block is not None:
+            return self.query_block
+        return max(1, BLOCK_BYTES // (4 * num_heads * num_keys))
+
+    def add(self, layer: int, probs: torch.Tensor, rows: slice) -> None:
+        """Fold one block of probabilities float32 [H, t, N] (queries `rows` of the forward) into the sums."""
+        queries = self.queries
+        if queries is None:
+            return
+        P, n, T_f = queries.visual_start, queries.num_frames, queries.tokens_per_frame
+        mass = probs[..., P:P + n * T_f].unflatten(-1, (n, T_f)).sum(dim=-1, dtype=torch.float64)  # A [H, t, n]
+        frame = torch.arange(n, device=probs.device)
+        if queries.frames is not None:
+            i = queries.frames[rows].to(probs.device)
+            weight, sums = (i[:, None] - frame).clamp_min(0).to(torch.float64), self.v2v  # [t, n]: max(i − j, 0)
+        else:
+            weight, sums = (n - 1 - frame).to(torch.float64), self.t2v  # [n]: n − 1 − j
+        partial = (mass * weight).sum(dim=(1, 2))
+        sums[layer] = partial if sums[layer] is None else sums[layer] + partial
+
+    def take(self, which: str) -> torch.Tensor:
+        """The sums of "v2v" or "t2v" as float64 [L, H] on the CPU, and reset them."""
+        sums = getattr(self, which)
+        if any(s is None for s in sums):
+            raise RuntimeError(f"TADSums.take: no {which} queries reached every layer")
+        out = torch.stack([s.cpu() for s in sums])
+        setattr(self, which, [None] * len(sums))
+        return out
+
+
+def profile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                              *, h2svc_sums: TADSums | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry (PROFILE_ATTENTION): the eager attention of one layer, query
+    [1, H, T, D] after RoPE, key/value [1, Hkv, N, D] (the cache plus the T incoming tokens), and its streamed
+    reduction into `h2svc_sums` (passed through the model's forward kwargs). Returns (output [1, T, H, D], None).
+
+    Not in transformers' AttentionMaskInterface, so the model passes attention_mask=None; the queries are the last
+    T of the N keys, and query row r sees keys <= N − T + r (bottom-right causal). Eval only: no dropout.
+    """
+    if not isinstance(h2svc_sums, TADSums):
+        raise RuntimeError(f"{PROFILE_ATTENTION} attention runs only inside profile_heads (h2svc_sums missing)")
+    batch, num_heads, count, dim = query.shape
+    num_kv_heads, total = key.shape[1], key.shape[2]
+    if batch != 1:
+        raise RuntimeError(f"{PROFILE_ATTENTION} attention profiles one clip at a time, got a batch of {batch}")
+    group = num_heads // num_kv_heads
+    scaling = dim ** -0.5 if scaling is None else scaling
+    # GQA by broadcasting: query heads kv·g … kv·g + g − 1 share KV head kv (repeat_kv's order), no key copies
+    grouped = query.view(1, num_kv_heads, group, count, dim)
+    keys_t = key[:, :, None].transpose(-1, -2)
+    values = value[:, :, None]
+    out = torch.empty_like(grouped)
+    block = h2svc_sums.block_rows(num_heads, total)
+    key_index = torch.arange(total, device=query.device)
+    for start in range(0, count, block):
+        rows = slice(start, min(start + block, count))
+        scores = torch.matmul(grouped[:, :, :, rows], keys_t) * scaling  # [1, Hkv, g, t, N]
+        visible = key_index <= torch.arange(rows.start, rows.stop, device=query.device)[:, None] + (total - count)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        out[:, :, :, rows] = torch.matmul(probs.to(query.dtype), values)
+        h2svc_sums.add(module.layer_idx, probs.view(num_heads, rows.stop - rows.start, total), rows)
+    return out.view(1, num_heads, count, dim).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def profiling_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run the language model's attention through `profile_attention_forward` inside the block; the model's own
+    attention implementation is restored afterwards (also after an error)."""
+    AttentionInterface.register(PROFILE_ATTENTION, profile_attention_forward)
+    before = model.config.get_text_config()._attn_implementation
+    model.set_attn_implementation({"text_config": PROFILE_ATTENTION})
+    try:
+        yield
+    finally:
+        model.set_attn_implementation({"text_config": before})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# clips
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Clip:
+    """One sample clip: a video file (decoded and sampled at fps by `hermes.video`) or frames already sampled,
+    uint8 [F, H, W, 3] RGB."""
+
+    source: str | np.ndarray
+
+    @property
+    def name(self) -> str:
+        if isinstance(self.source, str):
+            return self.source
+        return f"array{list(self.source.shape)}"
+
+    def expected_chunks(self, fps: float, chunk_frames: int, max_frames: int | None) -> int | None:
+        """Chunks the progress bar expects (from the file's header duration; None when it has none)."""
+        if isinstance(self.source, str):
+            with VideoReader(self.source) as reader:
+                duration = reader.duration
+            if duration is None:
+                return None
+            frames = int(duration * fps) + 1
+        else:
+            frames = self.source.shape[0]
+        if max_frames is not None:
+            frames = min(frames, max_frames)
+        return -(-frames // chunk_frames)
+
+    def chunks(self, fps: float, chunk_frames: int, max_frames: int | None) -> Iterator[np.ndarray]:
+        """uint8 [F, H, W, 3] chunks of at most chunk_frames frames, max_frames in all (None: every frame)."""
+        left = math.inf if max_frames is None else max_frames
+        if isinstance(self.source, str):
+            with VideoReader(self.source) as reader:
+                for chunk in reader.chunks(fps, chunk_frames):
+                    if left <= 0:
+                        return
+                    frames = chunk.frames[:int(min(left, len(chunk.frames)))]
+                    left -= len(frames)
+                    yield frames
+        else:
+            frames = self.source[:int(min(left, len(self.source)))]
+            for start in range(0, len(frames), chunk_frames):
+                yield frames[start:start + chunk_frames]
+
+
+def check_inputs(videos, *, fps, chunk_frames, questions, instant_ratio, short_ratio, max_frames=None,
+                 answer_tokens=0, query_block=None) -> tuple[list[_Clip], float, tuple[str, ...]]:
+    """Validate `profile_heads`' arguments before any model work (the command calls it before loading the model):
+    every file exists and PyAV opens it. Returns (clips, fps, questions)."""
+    if isinstance(videos, (str, os.PathLike, np.ndarray)):
+        videos = [videos]
+    if not isinstance(videos, Sequence) or not videos:
+        raise ValueError(f"videos: expected video files or uint8 [F, H, W, 3] frame arrays, got {videos!r}")
+    clips = []
+    for video in videos:
+        if isinstance(video, (str, os.PathLike)):
+            path = os.fspath(video)
+            VideoReader(path).close()  # FileNotFoundError / ValueError "video: ..." for a missing or bad file
+            clips.append(_Clip(path))
+        elif isinstance(video, np.ndarray):
+            if video.dtype != np.uint8 or video.ndim != 4 or video.shape[0] < 1 or video.shape[3] != 3:
+                raise ValueError(f"videos: expected frame arrays uint8 [F >= 1, H, W, 3], got {video.dtype} "
+                                 f"{list(video.shape)}")
+            clips.append(_Clip(video))
+        else:
+            raise TypeError(f"videos: expected a path or a uint8 [F, H, W, 3] array, got {type(video).__name__}")
+    fps = float(as_fraction(fps, "fps"))
+    check_positive_int("chunk_frames", chunk_frames)
+    check_positive_int("max_frames", max_frames, allow_none=True)
+    check_positive_int("query_block", query_block, allow_none=True)
+    if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 0:
+        raise ValueError(f"answer_tokens: expected an int >= 0, got {answer_tokens!r}")
+    if isinstance(questions, str):
+        questions = (questions,)
+    if not isinstance(questions, Sequence) or not questions or \
+            any(not isinstance(q, str) or not q.strip() for q in questions):
+        raise ValueError(f"questions: expected one or more non-empty strings, got {questions!r}")
+    class_counts(1, instant_ratio, short_ratio)  # the ratios alone: each in [0, 1], sum <= 1
+    return clips, fps, tuple(q.strip() for q in questions)
+
+
+class _Positions:
+    """Positions of one clip as the stream lays them out: every segment starts at the largest position so far + 1
+    (DESIGN.md §2.7); a video chunk adds the family's relative offsets, text counts 0, 1, … on every axis."""
+
+    def __init__(self, mrope: bool):
+        self.mrope = mrope
+        self.next = 0
+
+    def take(self, count: int, rel: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """position_ids [1, count] (1D) or [3, 1, count] (M-RoPE) of the next segment."""
+        if rel is None:
+            rel = torch.arange(count, device=device)
+            rel = rel.expand(3, count) if self.mrope else rel
+        ids = self.next + rel.to(device)
+        self.next = int(ids.max()) + 1
+        return ids[:, None] if self.mrope else ids[None]
+
+
+def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: float, chunk_frames: int,
+                  max_frames: int | None, questions: tuple[str, ...], answer_tokens: int, prefix_ids: list[int],
+                  bar) -> dict:
+    """Run one clip (prefix, chunks, then each question alone) and return its record with per-KV-head
+    tad_v2v / tad_t2v float64 [L, Hkv] tensors (module docstring)."""
+    language_model = family.language_model(model)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    embed = model.get_input_embeddings()
+    device = embed.weight.device
+    cache = DynamicCache()
+    positions = _Positions(mrope=family.rotary(model)[1] is not None)
+
+    def forward(embeds: torch.Tensor, rel: torch.Tensor | None = None) -> torch.Tensor:
+        ids = positions.take(embeds.shape[1], rel, embeds.device)
+        return language_model(inputs_embeds=embeds, position_ids=ids, cache=cache, use_cache=True,
+                              h2svc_sums=sums).last_hidden_state
+
+    def text(ids: list[int]) -> torch.Tensor:
+        return embed(torch.tensor([ids], device=device))
+
+    sums.queries = None
+    forward(text(prefix_ids))
+    P, n, T_f, sampled = len(prefix_ids), 0, None, 0
+    for frames in clip.chunks(fps, chunk_frames, max_frames):
+        inputs = family.prepare_frames(processor, frames, fps)
+        count = family.memory_frames(inputs)
+        chunk = family.encode_video(model, processor, inputs.pop("video"), 1, **inputs)
+        tokens = chunk.embeds.shape[1]
+        if tokens % count or (T_f is not None and tokens // count != T_f):
+            raise ValueError(f"video: {clip.name}: a chunk of {count} frames gave {tokens} tokens; every frame of a "
+                             f"clip must have the same token count (tokens per frame so far: {T_f})")
+        T_f = tokens // count
+        query_frames = n + torch.arange(tokens, device=chunk.embeds.device) // T_f
+        sums.queries = _Queries(P, n + count, T_f, query_frames)
+        forward(chunk.embeds, chunk.rel_positions)
+        n += count
+        sampled += len(frames)
+        bar.update()
+    if n == 0:
+        raise ValueError(f"video: {clip.name}: no frames sampled at {fps:g} fps")
+    v2v = sums.take("v2v") / (n * T_f)
+
+    video_length, video_next = cache.get_seq_length(), positions.next
+    lm_head = model.get_output_embeddings()
+    eos = tokenizer.eos_token_id
+    t2v, text_queries = [], 0
+    for question in questions:
+        sums.queries = _Queries(P, n, T_f, None)
+        ids = list(tokenizer(family.question_text(question), add_special_tokens=False)["input_ids"])
+        hidden, count = forward(text(ids)), len(ids)
+        for _ in range(answer_tokens):  # greedy answer tokens, each fed back as one more text query
+            token = int(lm_head(hidden[:, -1]).argmax(dim=-1))
+            if token == eos:
+                break
+            hidden = forward(text([token]))
+            count += 1
+        t2v.append(sums.take("t2v") / count)
+        text_queries += count
+        cache.crop(video_length - cache.get_seq_length())  # transformers 5: a negative count drops that many
+        positions.next = video_next
+
+    num_kv_heads = model.config.get_text_config().num_key_value_heads
+    return {"source": clip.name, "frames": sampled, "memory_frames": n, "tokens_per_frame": T_f,
+            "text_queries": text_queries, "tad_v2v": _per_kv_head(v2v, num_kv_heads),
+            "tad_t2v": _per_kv_head(torch.stack(t2v).mean(dim=0), num_kv_heads)}
+
+
+def _per_kv_head(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[L, H] -> [L, Hkv]: the mean over each KV head's GQA group of consecutive query heads."""
+    return per_query_head.unflatten(1, (num_kv_heads, -1)).mean(dim=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the profiler
+# ---------------------------------------------------------------------------------------------------------------
+
+def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0, chunk_frames: int = 16,
+                  questions: str | Sequence[str] = DEFAULT_QUESTIONS, instant_ratio: float = 0.1,
+                  short_ratio: float = 0.4, max_frames: int | None = None, answer_tokens: int = 0,
+                  system_prompt: str | None = None, query_block: int | None = None,
+                  progress: bool = True) -> HeadProfile:
+    """Profile the heads of a loaded LLaVA-OneVision or Qwen2.5-VL model on sample clips and route them
+    (H2SVC.md §2; the clip layout, the streamed reduction and the text queries are in the module docstring).
+
+    model, processor: as for HermesStream (`hermes.cli.load_model` gives both); the model in eval mode.
+    videos:        video files (decoded with PyAV, sampled at `fps` by timestamp) and/or frames already sampled,
+                   uint8 [F, H, W, 3] RGB arrays; each is one clip.
+    fps:           frames sampled per second of video (also Qwen2.5-VL's seconds per temporal grid step).
+    chunk_frames:  frames per forward, as the stream's chunks (the last chunk of a clip may be shorter).
+    questions:     asked, each alone, after every clip (T2V's text queries); default DEFAULT_QUESTIONS.
+    instant_ratio, short_ratio: class shares for `classify_heads` (H2SVC.md §2; episodic gets the rest).
+    max_frames:    at most this many sampled frames per clip (None: the whole clip).
+    answer_tokens: greedy answer tokens fed back as further text queries (0: the question tokens only).
+    system_prompt: text of the prefix's system turn (default: the family's, as the stream).
+    query_block:   query rows per attention block (None: as many as fit BLOCK_BYTES of float32 probabilities).
+    progress:      a tqdm bar on stderr over the chunks of all clips.
+
+    Returns a HeadProfile: head_map int64 [L, Hkv], v2v / t2v / scores float64 [L, Hkv] (means over clips), the
+    clips with their own metrics, the settings. Bad arguments raise ValueError/TypeError before any forward.
+    """
+    from tqdm import tqdm
+
+    family = family_of(model)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if tokenizer is None or not callable(tokenizer):
+        raise TypeError(f"processor: expected the model's processor or a tokenizer, got {type(processor).__name__}")
+    clips, fps, questions = check_inputs(videos, fps=fps, chunk_frames=chunk_frames, questions=questions,
+                                         instant_ratio=instant_ratio, short_ratio=short_ratio,
+                                         max_frames=max_frames, answer_tokens=answer_tokens,
+                                         query_block=query_block)
+    text_config = model.config.get_text_config()
+    layers = family.language_model(model).layers
+    num_layers = len(layers)
+    num_heads, num_kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
+    class_counts(num_layers * num_kv_heads, instant_ratio, short_ratio)
+    sliding = [i for i, layer in enumerate(layers) if getattr(layer.self_attn, "sliding_window", None)]
+    if sliding:
+        raise ValueError(f"model: layers {sliding} use sliding-window attention; the profiler computes full causal "
+                         "attention only")
+    if model.training:
+        raise ValueError("model: in training mode; call model.eval() first (the profile runs without dropout)")
+    prefix_ids = list(tokenizer(family.prefix_text(system_prompt), add_special_tokens=False)["input_ids"])
+
+    expected = [clip.expected_chunks(fps, chunk_frames, max_frames) for clip in clips]
+    total = None if None in expected else sum(expected)
+    records = []
+    bar = tqdm(total=total, unit="chunk", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    try:
+        with torch.no_grad(), profiling_attention(model):
+            for index, clip in enumerate(clips):
+                bar.set_description(f"clip {index + 1}/{len(clips)}")
+                records.append(_profile_clip(
+                    model, processor, family, clip, TADSums(num_layers, query_block), fps=fps,
+                    chunk_frames=chunk_frames, max_frames=max_frames, questions=questions,
+                    answer_tokens=answer_tokens, prefix_ids=prefix_ids, bar=bar))
+    finally:
+        bar.close()
+
+    v2v = torch.stack([r["tad_v2v"] for r in records]).mean(dim=0)
+    t2v = torch.stack([r["tad_t2v"] for r in records]).mean(dim=0)
+    scores = head_scores(v2v, t2v)
+    for record in records:  # JSON-ready
+        record["tad_v2v"], record["tad_t2v"] = record["tad_v2v"].tolist(), record["tad_t2v"].tolist()
+    settings = {"fps": fps, "chunk_frames": chunk_frames, "max_frames": max_frames, "questions": list(questions),
+                "answer_tokens": answer_tokens, "system_prompt": system_prompt,
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "text_queries": TEXT_QUERIES}
+    return HeadProfile(model_name=getattr(model.config, "name_or_path", "") or "", model_type=model.config.model_type,
+                       num_layers=num_layers, num_kv_heads=num_kv_heads, num_heads=num_heads,
+                       instant_ratio=instant_ratio, short_ratio=short_ratio,
+                       head_map=classify_heads(scores, instant_ratio, short_ratio), v2v=v2v, t2v=t2v, scores=scores,
+                       clips=records, settings=settings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    def wrap(text: str) -> str:
+        return textwrap.fill(text, width=100)
+
+    p = argparse.ArgumentParser(
+        prog="python -m hermes.h2svc.profile",
+        description=wrap("Profile the attention heads of a LLaVA-OneVision or Qwen2.5-VL checkpoint on sample "
+                         "videos (eager attention, H2SVC.md §2) and write the H2SVC head map: every (layer, KV "
+                         "head) routed to the instant, short or episodic memory."),
+        epilog="\n\n".join([
+            wrap("Output: the JSON head map at --out (model name and type, layers, KV heads, ratios, the class of "
+                 "every head, TAD_V2V / TAD_T2V / S per head, the clips used); a summary on stdout; progress on "
+                 "stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command line."),
+            "Example:\n  python -m hermes.h2svc.profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
+            "      --videos clips/*.mp4 --max-frames 64 --out llava-ov-7b.h2svc.json"]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="local checkpoint folder of a llava_onevision or qwen2_5_vl model")
+    p.add_argument("--videos", required=True, nargs="+", metavar="FILE",
+                   help="sample video files PyAV can decode (each one clip)")
+    p.add_argument("--out", required=True, metavar="FILE", help="where to write the head map (JSON)")
+    p.add_argument("--fps", type=float, default=1.0, help="frames sampled per second of video (default 1)")
+    p.add_argument("--chunk-frames", type=int, default=16, help="frames per forward, as the stream's chunks "
+                                                                "(default 16)")
+    p.add_argument("--max-frames", type=int, default=None,
+                   help="at most this many sampled frames per clip (default: the whole clip; attention costs "
+                        "grow with the square of the clip's tokens)")
+    p.add_argument("--question", action="append", default=None, metavar="TEXT",
+                   help=f"question asked after each clip, the text queries of TAD_T2V (repeatable; default "
+                        f"{DEFAULT_QUESTIONS[0]!r})")
+    p.add_argument("--answer-tokens", type=int, default=0,
+                   help="greedy answer tokens fed back as more text queries (default 0)")
+    p.add_argument("--instant-ratio", type=float, default=0.1, help="share of instant heads (default 0.1)")
+    p.add_argument("--short-ratio", type=float, default=0.4, help="share of short heads (default 0.4); episodic "
+                                                                  "heads are the rest")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of torch (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    return p
+
+
+def summary(profile: HeadProfile, path: str) -> str:
+    """What the command prints: the file, the model, the class counts, then one line per layer with a letter
+    per KV head (i instant, s short, e episodic)."""
+    counts = ", ".join(f"{name} {count}" for name, count in zip(CLASS_NAMES, profile.counts()))
+    frames = sum(clip["frames"] for clip in profile.clips)
+    lines = [f"wrote {path}: {profile.model_type} ({profile.model_name or 'unnamed'}), {profile.num_layers} layers "
+             f"x {profile.num_kv_heads} KV heads, {len(profile.clips)} clip(s), {frames} frames; {counts}"]
+    width = len(str(profile.num_layers - 1))
+    for layer, row in enumerate(profile.head_map.tolist()):
+        lines.append(f"layer {layer:>{width}}: " + " ".join(CLASS_NAMES[c][0] for c in row))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command: parse, check the inputs, load, profile, write; returns the exit status."""
+    from transformers.utils import logging as transformers_logging
+
+    from hermes.cli import load_model, run_command
+
+    args = parser().parse_args(argv)
+    transformers_logging.set_verbosity_error()
+    if args.quiet:
+        transformers_logging.disable_progress_bar()
+    questions = args.question or DEFAULT_QUESTIONS
+
+    def body() -> None:
+        if args.threads is not None:
+            torch.set_num_threads(check_positive_int("threads", args.threads))
+        check_inputs(args.videos, fps=args.fps, chunk_frames=args.chunk_frames, questions=questions,
+                     instant_ratio=args.instant_ratio, short_ratio=args.short_ratio, max_frames=args.max_frames,
+                     answer_tokens=args.answer_tokens)
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"out: no such folder: {folder}")
+        loaded = load_model(args.model, args.device, args.dtype)
+        profile = profile_heads(loaded.model, loaded.processor, args.videos, fps=args.fps,
+                                chunk_frames=args.chunk_frames, questions=questions,
+                                instant_ratio=args.instant_ratio, short_ratio=args.short_ratio,
+                                max_frames=args.max_frames, answer_tokens=args.answer_tokens,
+                                progress=not args.quiet)
+        save_head_map(profile, args.out)
+        print(summary(profile, args.out))
+
+    return run_command(body, args.traceback)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Guidance prompts and the guidance pass that feeds HERMES's attention score (DESIGN.md §2.3, paper app. B).
+
+Which prompt a layer reads follows its role: shallow layers the local prompt, mid layers the mixed prompt
+(local + "; " + global), deep layers the global prompt. A layer whose recency weight ω_l is 1 never reads
+its attention score (S = R), so by default no prompt is run for it: with the presets the local prompt is
+never computed, and the first mid layer of LLaVA-OV (ω = 1.0) is skipped as well.
+
+The prompts that are needed run as ONE forward over the language model: their token ids are packed one
+after the other (per stream; streams whose prompts tokenize to different lengths are padded at the end) and
+the attention function (`hermes.attention`) keeps them apart (each sees the cache and, causally, itself).
+Nothing of them stays in the cache; every prompt gets the positions right after each layer's last position.
+A layer computes only the rows of prompts that some deeper layer scores (the others are zeros nobody reads:
+`GuidanceState.read_rows`), so a prompt costs attention up to its last scoring layer only.
+
+Two ways to run it (DESIGN.md §4):
+- fused (`chunk=`): the prompts ride behind a chunk's own prefill, in the same forward. The chunk's tokens
+  are stored and computed exactly as in a plain prefill; the prompts see the cache and the whole chunk. One
+  forward per chunk; no LM head runs (the decoder stack is called, never the full model).
+- on its own: a read-only forward over the cache as it is, stopped after the deepest layer that needs a
+  score (`HermesStream.guidance_scores`, and the stream's `fused_guidance=False`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from hermes.models import VideoChunk
+from hermes_kernels.policies.hermes.config import DEEP, MID, SHALLOW, HermesConfig
+
+from .attention import GuidanceDone, GuidanceState
+from .cache import HermesCache
+
+LOCAL = ("Describe the current scene in detail, focusing on specific objects, fine-grained actions, "
+         "and spatial relationships.")
+GLOBAL = ("Summarize the video narrative, identifying main characters, key events, timeline changes, "
+          "and the overall theme.")
+PROMPT_OF_ROLE = {SHALLOW: "local", MID: "mixed", DEEP: "global"}
+PROMPT_ORDER = ("local", "mixed", "global")
+
+
+def guidance_prompts(last_conv: str | None = None) -> dict[str, str]:
+    """The three guidance prompts of appendix B, with the last question and answer filled in when given."""
+    if last_conv:
+        local = f"Find recent details related to: {last_conv}. {LOCAL}"
+        global_ = f"Context summary: {last_conv}. {GLOBAL}"
+    else:
+        local, global_ = LOCAL, GLOBAL
+    return {"local": local, "mixed": f"{local}; {global_}", "global": global_}
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidancePlan:
+    """Which prompts run and which layer reads which one.
+
+    kinds:          the prompts run, in packing order (a subset of local, mixed, global).
+    kind_of_layer:  per layer, the prompt whose score it needs, or None.
+    """
+
+    kinds: tuple[str, ...]
+    kind_of_layer: tuple[str | None, ...]
+
+    @classmethod
+    def from_config(cls, cfg: HermesConfig, layers: Sequence[int] | None = None) -> "GuidancePlan":
+        """Scores for `layers` (default: every layer whose ω_l < 1), each with its role's prompt."""
+        if layers is None:
+            layers = [layer for layer in range(cfg.num_layers) if float(cfg.omega[layer]) < 1.0]
+        wanted = set(layers)
+        if not wanted <= set(range(cfg.num_layers)):
+            raise ValueError(f"layers: expected indices in [0, {cfg.num_layers}), got {sorted(layers)}")
+        kind_of_layer = tuple(PROMPT_OF_ROLE[int(cfg.role[layer])] if layer in wanted else None
+                              for layer in range(cfg.num_layers))
+        kinds = tuple(kind for kind in PROMPT_ORDER if kind in kind_of_layer)
+        return cls(kinds=kinds, kind_of_layer=kind_of_layer)
+
+    def token_ids(self, tokenizer, last_convs: Sequence[str | None]) -> list[list[list[int]]]:
+        """Per stream, the token ids of each prompt in `kinds` (no special tokens)."""
+        out = []
+        for last_conv in last_convs:
+            prompts = guidance_prompts(last_conv)
+            out.append([tokenizer(prompts[kind], add_special_tokens=False)["input_ids"] for kind in self.kinds])
+        return out
+
+
+def guidance_length(ids: list[list[list[int]]]) -> int:
+    """Most tokens one stream's packed guidance prompts take (the room they need past the length)."""
+    return max((sum(len(p) for p in stream) for stream in ids), default=0)
+
+
+def run_guidance(language_model: torch.nn.Module, cache: HermesCache, plan: GuidancePlan,
+                 ids: list[list[list[int]]], backend: str = "auto", chunk: VideoChunk | None = None) -> torch.Tensor:
+    """Pooled guidance attention float32 [L, B, V] (V = visual tokens after the pass; zeros for layers without
+    a prompt), written to and returned as a view of `cache.guidance_attn`.
+
+    ids:     per stream, the token ids of each prompt in `plan.kinds` (`GuidancePlan.token_ids`).
+    backend: of `hermes_kernels.pooled_attention`.
+    chunk:   a chunk to prefill in the same forward (fused, DESIGN.md §4): its tokens are stored, exactly as a
+             plain prefill stores them, and the prompts see them; V then counts them. Needs `plan.kinds`.
+             Without it the pass is read-only: the cache is unchanged.
+    """
+    stored = 0 if chunk is None else chunk.embeds.shape[1]
+    visual = cache.length + stored - cache.cfg.prefix_len
+    if visual < 1:
+        raise ValueError(f"cache: no visual token to score (length {cache.length}, prefix_len "
+                         f"{cache.cfg.prefix_len})")
+    if len(ids) != cache.batch_size or any(len(stream) != len(plan.kinds) for stream in ids):
+        raise ValueError(f"ids: expected {len(plan.kinds)} prompts for each of {cache.batch_size} streams")
+    if chunk is not None and not plan.kinds:
+        raise ValueError("chunk: a fused prefill needs at least one guidance prompt (plan.kinds is empty)")
+    attn = cache.guidance_attn[:, :, :visual]
+    attn.zero_()
+    if plan.kinds:
+        _guidance_forward(language_model, cache, plan, ids, backend, chunk)
+    return attn
+
+
+def _guidance_forward(language_model, cache: HermesCache, plan: GuidancePlan, ids, backend: str,
+                      chunk: VideoChunk | None) -> None:
+    """One forward: [the chunk's T tokens, stored] + each stream's packed prompts, padded to the longest."""
+    device = cache.guidance_attn.device
+    segments = []
+    for stream in ids:
+        bounds, start = [], 0
+        for prompt in stream:
+            bounds.append((start, start + len(prompt)))
+            start += len(prompt)
+        segments.append(tuple(bounds))
+    count = max(bounds[-1][1] for bounds in segments)
+    # padding: token 0 at the prompts' first position; no prompt attends to it
+    tokens = [[token for prompt in stream for token in prompt] for stream in ids]
+    input_ids = torch.tensor([row + [0] * (count - len(row)) for row in tokens], device=device)
+    rel = torch.zeros(len(ids), count, dtype=torch.int64)
+    for b, bounds in enumerate(segments):
+        for lo, hi in bounds:
+            rel[b, lo:hi] = torch.arange(hi - lo)
+    rel = rel.to(device)
+    segment_of = {kind: index for index, kind in enumerate(plan.kinds)}
+    segment_of_layer = tuple(None if kind is None else segment_of[kind] for kind in plan.kind_of_layer)
+    last_layer = max(layer for layer, seg in enumerate(segment_of_layer) if seg is not None)
+    stored = 0 if chunk is None else chunk.embeds.shape[1]
+    inputs = {"input_ids": input_ids}
+    if chunk is not None:
+        chunk_rel = chunk.rel_positions
+        chunk_rel = torch.arange(stored, device=device) if chunk_rel is None else chunk_rel.to(device)
+        # the prompts start right after the chunk's largest offset, where a pass after its prefill puts them
+        rel = rel + (chunk_rel.max() + 1)
+        inputs = {"inputs_embeds": torch.cat([chunk.embeds, language_model.embed_tokens(input_ids)], dim=1)}
+    if cache.mrope:
+        rel = rel.unsqueeze(1).expand(-1, 3, -1)
+    if chunk is not None:
+        chunk_rel = chunk_rel.expand(3, -1) if cache.mrope and chunk_rel.dim() == 1 else chunk_rel
+        rel = torch.cat([chunk_rel.expand(len(ids), *chunk_rel.shape), rel], dim=-1)
+    cache.guidance = GuidanceState(stored=stored, segments=tuple(segments), segment_of_layer=segment_of_layer,
+                                   last_layer=last_layer, backend=backend)
+    context = cache.forward_context(rel, keep=stored) if stored else cache.forward_context(rel, read_only=True)
+    try:
+        with context:
+            language_model(**inputs, position_ids=cache.default_position_ids(stored + count), cache=cache,
+                           use_cache=True)
+    except GuidanceDone:
+        pass
+    finally:
+        cache.guidance = None

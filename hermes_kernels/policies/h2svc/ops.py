@@ -1,0 +1,60 @@
+"""The H2SVC ops of the kernel library (docs/h2svc.md §7): input checks, then the backend the one dispatch point
+(`hermes_kernels.dispatch`) picks, each implementing the contract of `hermes_kernels.policies.h2svc.reference`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...dispatch import pick
+from ...results import H2SVCStepResult
+from . import features as feature_kernels
+from . import stce as stce_kernels
+from . import step as step_kernels
+from .checks import check_frame_features, check_h2svc_step, check_stce
+from .config import H2SVCConfig
+
+
+def frame_features(values: torch.Tensor, tokens_per_frame: int, backend: str = "auto") -> torch.Tensor:
+    """Mean value vector of every frame (H2SVC.md §3): values [H, B, F·T_f, D] fp16/bf16/fp32/fp64 (any strides,
+    e.g. the arriving frames' slots of a class block) -> float32 [H, B, F, D] (float64 for float64 values)."""
+    check_frame_features(values, tokens_per_frame)
+    impl = pick(backend, values.device, feature_kernels.frame_features_triton,
+                 feature_kernels.frame_features_torch)
+    return impl(values, tokens_per_frame)
+
+
+def stce_select(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
+                capacity: int, backend: str = "auto") -> torch.Tensor:
+    """Kept frame indices int64 [H, B, capacity] (ascending, -1 padded) after STCE over one chunk (H2SVC.md §3).
+
+    features float32 [H, B, W, D] (the held frames' features, any slot order; float64 allowed), frames int64
+    [H, B, W] (their stream indices, -1 empty, valid ones distinct), arriving [H, B, F, D] of features' dtype in
+    arrival order (arrival i is frame first_frame + i, newer than every held frame), capacity N_e >= 2.
+    """
+    check_stce(features, frames, arriving, first_frame, capacity)
+    impl = pick(backend, features.device, stce_kernels.stce_select_triton, stce_kernels.stce_select_torch)
+    return impl(features, frames, arriving, first_frame, capacity)
+
+
+def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, slot_frames: torch.Tensor,
+               cfg: H2SVCConfig, cls, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
+               held: int, num_frames: int, first_frame: int, reindex: bool, next_position: int,
+               features: torch.Tensor | None = None, backend: str = "auto") -> H2SVCStepResult:
+    """One H2SVC step of one class block, in place; same contract as `hermes.h2svc.reference.h2svc_step`.
+
+    keys/values [H_c, B, C, D] fp16/bf16/fp32/fp64 (any strides); positions int64 [H_c, B, C] or [H_c, B, 3, C]
+    (M-RoPE with mrope_section); slot_frames int64 [H_c, B, W] (W = cfg.window(cls)); features float32
+    [H_c, B, W, D] for EPISODIC blocks, None otherwise; cls INSTANT/SHORT/EPISODIC or its name; held, num_frames,
+    first_frame, reindex and next_position are the caller's host values (no host sync on CUDA: the contents checks
+    run on CPU tensors only). Result: held' = min(W, held + F), kept = slot_frames (the same tensor, updated),
+    compacted = reindex.
+    """
+    # the arriving values' finiteness is checked on their features, inside the step before its first write
+    cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held,
+                           num_frames, first_frame, reindex, next_position, features, arriving_values=False)
+    impl = pick(backend, keys.device, step_kernels.h2svc_step_triton, step_kernels.h2svc_step_torch)
+    held_after = impl(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held, num_frames,
+                      first_frame, reindex, next_position, features)
+    return H2SVCStepResult(held=held_after, kept=slot_frames, compacted=reindex)

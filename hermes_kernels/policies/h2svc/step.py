@@ -1,0 +1,406 @@
+"""H2SVC stage (c): the in-place, frame-granular update of one class block after a chunk (H2SVC.md §3-§5; the
+engine interface of issue 9).
+
+State of a class block with window W frames (T_f tokens each, prefix P), rows = the class's (layer, KV head)s:
+keys/values [H_c, B, C, D], positions [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE), slot_frames [H_c, B, W] and,
+for EPISODIC, features [H_c, B, W, D]. Frame slot s covers tokens [P + s·T_f, P + (s+1)·T_f); home slots are
+s < W. `held` frames sit in home slots [0, held); the chunk's F arrivals were written at frame slots held .. held+F-1
+(the ones from W on are overflow slots).
+
+One step, every row at once:
+ 1. keep set: FIFO classes keep the newest min(W, held + F) frames; EPISODIC runs STCE (`stce.py`) over the held
+    frames and the arrivals' features (`frame_features.py`) with capacity W;
+ 2. slot plan (interface, ours): kept frames in home slots stay; `free` = home slots < held' = min(W, held + F)
+    whose frame is not kept, ascending; `movers` = kept frames in overflow slots, in arrival order; mover k goes
+    to free[k]. A mover's K, V, positions and feature move with it; its source slots are left as they were;
+ 3. slot_frames <- the frame in each home slot (-1 from held' on); features of arrivals <- their frame features;
+ 4. when `reindex` (the caller's decision): the retained visual tokens of every row get, per axis, new = P + shift
+    + dense rank among the row's retained values on that axis, shift = (next_position - P) - E, E = the largest
+    distinct count over the axes: every row's newest coordinate lands at next_position - 1 (right alignment,
+    §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32 (`hermes.rope`).
+
+The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it
+reads no tensor on the host (held, F, first_frame, next_position and reindex are the caller's host values), so
+a step on CUDA does not synchronise. On CPU tensors step 4's new positions and deltas come from one C call
+(`_reindex_native`, compact_cpu.c) when the library builds, else from the same torch ops. The row work is what
+the backends differ in:
+  h2svc_step_triton — ONE move launch (grid: rows·streams·work items × token tiles) after the feature and STCE
+      launches of an EPISODIC block;
+  h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
+      `compact._rows_native`, moved rows written with streaming stores): every row walked once, left to right,
+      in place; otherwise (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the "torch-ops"
+      path) torch ops over all rows at once: one indexed copy of the movers' frames, or compaction's tiled
+      rotation (`compact._rows_torch`).
+Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
+  reindex False: the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
+      their positions; nothing else in the cache is touched;
+  reindex True:  every retained key too: read and write held'·T_f key rows (rotated in place, or from a mover's
+      slot) and the movers' value rows, plus held'·T_f positions per axis.
+In place is safe: a work item reads only its own slot or an overflow slot, and no item writes an overflow slot.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import native, rows
+from ...dtypes import TRITON_WORK, work_dtype
+from ...gpu_specs import H2SVCCase, gpu_spec
+from ...launch import launch
+from . import features as _features
+from . import stce as _stce
+from .checks import check_arriving_features
+from .config import EPISODIC, H2SVCConfig
+
+__all__ = ["h2svc_step_torch", "h2svc_step_triton", "plan_step", "RowWork", "fifo_keep_mask", "slot_plan"]
+
+# Triton move kernel (4 warps): bytes of one [token, pair] K or V half tile in the widest dtype a thread holds it in,
+# 32 per thread. A copy holds the cache dtype: two 16-byte vectors per half and thread (fp16 at D = 128: 32 tokens x
+# 64 pairs); a rotation holds float32 (16 tokens x 64 pairs; an fp16 row part is then one 16-byte vector)
+_TILE_BYTES = 4096
+
+
+def _frame_of_slot(slot_frames: torch.Tensor, held: int, num_frames: int, first_frame: int) -> torch.Tensor:
+    """int64 [H_c, B, held + F]: the stream frame index in every frame slot (held frames, then the arrivals)."""
+    H, B, _ = slot_frames.shape
+    arrivals = first_frame + torch.arange(num_frames, device=slot_frames.device)
+    return torch.cat([slot_frames[..., :held], arrivals.expand(H, B, num_frames)], dim=-1)
+
+
+def fifo_keep_mask(frame_of_slot: torch.Tensor, held: int, window: int) -> torch.Tensor:
+    """bool [H_c, B, held + F]: which frame slots a FIFO head keeps, the newest min(W, held + F) frames (§1).
+
+    Arrivals are newer than every held frame, so the newest min(F, K) arrivals are kept and, of the held frames,
+    the K - min(F, K) newest (ranked by frame index, whatever their slot order).
+    """
+    H, B, S = frame_of_slot.shape
+    F = S - held
+    kept = min(window, S)
+    from_arrivals = min(F, kept)
+    held_frames = frame_of_slot[..., :held]
+    newer = (held_frames.unsqueeze(-1) < held_frames.unsqueeze(-2)).sum(dim=-1)
+    arrivals = torch.arange(F, device=frame_of_slot.device) >= F - from_arrivals
+    return torch.cat([newer < kept - from_arrivals, arrivals.expand(H, B, F)], dim=-1)
+
+
+def slot_plan(kept_slot: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot plan of step 2 from the keep mask bool [H_c, B, S] over frame slots (S = held + F).
+
+    Returns source int64 [H_c, B, held'] (the frame slot each home slot takes its frame from after the step: itself,
+    or the overflow slot of the mover it receives) and destination int64 [H_c, B, S - held'] (the home slot each
+    overflow slot's frame moves to, -1 if it was evicted). Assumes the keep set has held' frames (so movers and free
+    slots pair up), as FIFO and STCE keep sets do.
+    """
+    H, B, S = kept_slot.shape
+    home_count = min(window, S)
+    overflow = S - home_count
+    device = kept_slot.device
+    home = torch.arange(home_count, device=device).expand(H, B, home_count)
+    if overflow == 0:
+        return home.contiguous(), torch.empty((H, B, 0), dtype=torch.int64, device=device)
+    free = ~kept_slot[..., :home_count]
+    mover = kept_slot[..., window:]
+    # free slots by rank (ascending); slots that are not free go to the extra column `overflow`, dropped
+    by_rank = torch.full((H, B, overflow + 1), -1, dtype=torch.int64, device=device)
+    by_rank.scatter_(-1, torch.where(free, free.cumsum(dim=-1) - 1, overflow).clamp_(max=overflow), home)
+    destination = torch.where(mover, by_rank.gather(-1, (mover.cumsum(dim=-1) - 1).clamp_(min=0)), -1)
+    # every home slot keeps its own frame unless a mover lands there; non-movers scatter into an extra column
+    source = torch.cat([home, home[..., :1]], dim=-1).contiguous()
+    overflow_slots = (window + torch.arange(overflow, device=device)).expand(H, B, overflow)
+    source.scatter_(-1, torch.where(mover, destination, home_count), overflow_slots)
+    return source[..., :home_count], destination
+
+
+def _tokens(frame_slots: torch.Tensor, prefix_len: int, tokens_per_frame: int) -> torch.Tensor:
+    """int64 [..., n·T_f]: the cache token slots of frame slots [..., n], frame by frame."""
+    token = torch.arange(tokens_per_frame, device=frame_slots.device)
+    return (prefix_len + frame_slots.unsqueeze(-1) * tokens_per_frame + token).flatten(-2)
+
+
+def _right_aligned(old: torch.Tensor, next_position: int) -> torch.Tensor:
+    """New positions [H_c, B, A, n] of retained visual tokens with old positions `old` (step 4, §4).
+
+    Per row and axis: dense rank among the row's values on that axis, shifted so the largest coordinate of the
+    row (over all axes) is next_position - 1. Ranks: compaction's counting rank on CPU (it reads value spans on
+    the host, free for CPU tensors), its sort rank elsewhere (no host sync).
+    """
+    dense_rank = rows.dense_rank_counting if old.device.type == "cpu" else rows.dense_rank
+    rank = dense_rank(old, torch.ones(1, dtype=torch.bool, device=old.device))
+    extent = rank.amax(dim=-1).amax(dim=-1) + 1  # E: the largest number of distinct values over the axes
+    return rank + (next_position - extent).view(*extent.shape, 1, 1)
+
+
+def _reindex_native(pos: torch.Tensor, source: torch.Tensor, prefix_len: int, tokens_per_frame: int,
+                    next_position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(new, delta) of step 4 in one call of compact_cpu.c's `hermes_frame_reindex`: the gather of the old
+    positions, the per-axis counting ranks and the right alignment, one pass per (row, stream) instead of about ten
+    torch passes over int64 [H_c, B, A, held'·T_f] (at the 7B episodic block those cost ~15 ms of the step).
+    None when it cannot run (not CPU, no library, a row's span too wide to count: the caller's torch ops decide).
+    Reads pos [H_c, B, A, C] only."""
+    lib = native.library("compact_cpu") if pos.device.type == "cpu" else None
+    if lib is None:
+        return None
+    H, B, A, _ = pos.shape
+    n = source.shape[-1] * tokens_per_frame
+    source = source.contiguous()
+    new = torch.empty((H, B, A, n), dtype=torch.int64)
+    delta = torch.empty_like(new)
+    stride = torch.tensor(pos.stride(), dtype=torch.int64)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    status = lib.hermes_frame_reindex(ptr(pos.data_ptr()), ptr(stride.data_ptr()), i64(H), i64(B), i64(A),
+                                      ptr(source.data_ptr()), i64(source.shape[-1]), i64(prefix_len),
+                                      i64(tokens_per_frame), i64(next_position), i64(rows.counting_span_limit(n)),
+                                      ptr(new.data_ptr()), ptr(delta.data_ptr()), ctypes.c_int(torch.get_num_threads()))
+    if status == 3:
+        return None
+    if status != 0:
+        raise RuntimeError(f"compact_cpu.c: hermes_frame_reindex returned {status} (2: a worker thread failed or a "
+                           "presence table could not be allocated)")
+    return new, delta
+
+
+@dataclasses.dataclass
+class RowWork:
+    """The row work of one step, planned: what the backends' movers execute (see the module docstring).
+
+    held: held' = min(W, held + F). source int64 [H_c, B, held']: the frame slot each home slot takes its frame
+    from (itself, or a mover's overflow slot). destination int64 [H_c, B, held + F - held']: the home slot each
+    overflow slot's frame moves to, -1 when it was evicted. delta: None without re-indexing, else int64
+    [H_c, B, A, held'·T_f], the rotation of every retained token (home slot order, token order).
+    """
+
+    held: int
+    window: int
+    source: torch.Tensor
+    destination: torch.Tensor
+    delta: torch.Tensor | None
+
+
+def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, mrope_section, held: int,
+              num_frames: int, first_frame: int, reindex: bool, next_position: int, features, feature_op,
+              stce_op) -> RowWork:
+    """Steps 1-4 except the row work, in place: keep sets, slot plan, positions, slot_frames and features.
+
+    Arguments as `h2svc_step_torch`; feature_op / stce_op are the backend's stage (a) and (b) implementations.
+    Reads old positions (of the tokens each home slot will hold) before writing the new ones; K/V are not touched.
+    """
+    W, P, T = cfg.window(cls), cfg.prefix_len, cfg.tokens_per_frame
+    H, B = slot_frames.shape[:2]
+    S = held + num_frames
+    held_after = min(W, S)
+    frame_of_slot = _frame_of_slot(slot_frames, held, num_frames, first_frame)
+    arriving = None
+    if cls == EPISODIC:
+        arriving = feature_op(values[:, :, P + held * T:P + S * T], T)
+        check_arriving_features(arriving)  # nothing is written yet
+        # only the first `held` home slots hold frames (validated on CPU; enforced here on every device)
+        frames = slot_frames.masked_fill(torch.arange(W, device=slot_frames.device) >= held, -1)
+        kept = stce_op(features, frames, arriving, first_frame, W)
+        kept_slot = (frame_of_slot.unsqueeze(-1) == kept.unsqueeze(-2)).any(dim=-1)
+    else:
+        kept_slot = fifo_keep_mask(frame_of_slot, held, W)
+    source, destination = slot_plan(kept_slot, W)
+
+    pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [H_c, B, A, C] view
+    A = pos.shape[2]
+    delta = None
+    if reindex:
+        planned = _reindex_native(pos, source, P, T, next_position)
+        if planned is None:
+            old = pos.gather(-1, _tokens(source, P, T).unsqueeze(2).expand(H, B, A, held_after * T))
+            new = _right_aligned(old, next_position)
+            planned = new, new - old
+        new, delta = planned
+        pos[..., P:P + held_after * T] = new
+    elif destination.shape[-1]:
+        overflow = W + torch.arange(destination.shape[-1], device=keys.device)
+        # evicted overflow frames write their positions onto themselves: a no-op that keeps the op one scatter
+        src_tokens = _tokens(overflow.expand_as(destination), P, T)
+        dst_tokens = _tokens(torch.where(destination >= 0, destination, overflow), P, T)
+        pos.scatter_(-1, dst_tokens.unsqueeze(2).expand(H, B, A, -1),
+                     pos.gather(-1, src_tokens.unsqueeze(2).expand(H, B, A, -1)))
+
+    slot_frames[..., :held_after] = frame_of_slot.gather(-1, source)
+    slot_frames[..., held_after:] = -1
+    if arriving is not None:
+        arrived = (source >= held).unsqueeze(-1)  # a frame of this chunk now sits in that home slot
+        incoming = arriving.gather(-2, (source - held).clamp_(min=0).unsqueeze(-1).expand_as(
+            features[..., :held_after, :]))
+        features[..., :held_after, :] = torch.where(arrived, incoming, features[..., :held_after, :])
+    return RowWork(held_after, W, source, destination, delta)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch twin
+# ----------------------------------------------------------------------------------------------------------------
+
+def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mrope_section) -> None:
+    """Row work on torch tensors: compaction's C walk on CPU fp32/bf16 caches, else torch ops over all rows."""
+    P, T = cfg.prefix_len, cfg.tokens_per_frame
+    H, B = keys.shape[:2]
+    moves = work.destination.shape[-1]
+    if work.delta is None and moves == 0:
+        return
+    k5, v5 = keys.unsqueeze(2), values.unsqueeze(2)  # compaction's movers take [L, B, Hkv, N, D]
+    home_tokens = _tokens(work.source, P, T)  # the C walk and the tiled rotation write list entry i to slot P + i
+    if rows.use_native(None, k5, v5):
+        # without re-indexing (delta None) the walk skips every token that stays and copies the movers exactly
+        rows.move_rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section, stream=True)
+    elif work.delta is not None:
+        rows.move_rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
+    else:
+        # whole frames move: index the [H_c, B, frame slot] dims of a [H_c, B, S, T_f, D] view, so each mover is
+        # one block copy; evicted overflow frames are copied onto themselves (a no-op that keeps it one index op)
+        overflow = work.window + torch.arange(moves, device=keys.device)
+        row_ids = torch.arange(H, device=keys.device).view(H, 1, 1)
+        streams = torch.arange(B, device=keys.device).view(1, B, 1)
+        target = torch.where(work.destination >= 0, work.destination, overflow)
+        for x in (keys, values):
+            frames = x[:, :, P:P + (work.window + moves) * T].unflatten(2, (work.window + moves, T))
+            frames[row_ids, streams, target] = frames[:, :, work.window:].clone()  # the movers, read before any write
+
+
+def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
+                     mrope_section: Sequence[int] | None, held: int, num_frames: int, first_frame: int,
+                     reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
+    """One H2SVC step on a class block, in place, vectorised over rows and streams; inputs validated (see the
+    module docstring for the state and the steps). Returns held' = min(W, held + F)."""
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, mrope_section, held, num_frames, first_frame,
+                     reindex, next_position, features, _features.frame_features_torch, _stce.stce_select_torch)
+    _move_rows_torch(keys, values, work, cfg, inv_freq, mrope_section)
+    return work.held
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton: one move launch
+# ----------------------------------------------------------------------------------------------------------------
+
+# Grid (H_c·B·J, cdiv(T_f, BLOCK_T)): a program takes one tile of one work item's tokens: it reads each token's key
+# row (and value row, when the item changes slot) once from the source frame slot and writes it to the destination.
+# Sources are the item's own slot or an overflow slot, which no program writes, so programs need no ordering.
+# Values are moved before keys are read, so a thread never holds both tiles. B, J (streams, work items) and the
+# M-RoPE section ends are runtime values, not specialised: one compile serves every stream count, every held count
+# of a filling memory and every head dim's section.
+@triton.jit(do_not_specialize=["B", "J", "t_end", "h_end"])
+def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
+                       sk_h, sk_b, sk_n, sk_d, sv_h, sv_b, sv_n, sv_d,
+                       B, J, T, P, HALF, t_end, h_end,
+                       A: tl.constexpr, ROTATE: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_PAIRS: tl.constexpr):
+    pid = tl.program_id(0)  # (row, stream, item), item fastest
+    item = pid % J
+    row_stream = pid // J
+    row = row_stream // B
+    stream = row_stream % B
+    src = tl.load(src_ptr + pid)
+    dst = tl.load(dst_ptr + pid)
+    token = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pair = tl.arange(0, BLOCK_PAIRS)
+    in_dim = pair < HALF
+    live = (token < T) & (tl.zeros_like(token) + dst >= 0)
+    moved = tl.zeros_like(token) + src != dst
+    src_row = (P + src * T + token).to(tl.int64)[:, None]
+    dst_row = (P + dst * T + token).to(tl.int64)[:, None]
+
+    # values: a plain copy when the item changes slot
+    v_base = v_ptr + row.to(tl.int64) * sv_h + stream.to(tl.int64) * sv_b
+    mask_v = (live & moved)[:, None] & in_dim[None, :]
+    v1 = tl.load(v_base + src_row * sv_n + pair[None, :] * sv_d, mask=mask_v, other=0)
+    v2 = tl.load(v_base + src_row * sv_n + (pair + HALF)[None, :] * sv_d, mask=mask_v, other=0)
+    tl.store(v_base + dst_row * sv_n + pair[None, :] * sv_d, v1, mask=mask_v)
+    tl.store(v_base + dst_row * sv_n + (pair + HALF)[None, :] * sv_d, v2, mask=mask_v)
+
+    # keys: copied, and rotated when re-indexing turns them
+    if ROTATE:
+        # §4: angle = delta·inv_freq from the integer delta, per M-RoPE section
+        inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
+        delta_row = delta_ptr + row_stream.to(tl.int64) * A * J * T + item * T + token
+        d0 = tl.load(delta_row, mask=live, other=0)
+        if A == 3:
+            d1 = tl.load(delta_row + J * T, mask=live, other=0)
+            d2 = tl.load(delta_row + 2 * J * T, mask=live, other=0)
+            axis = (pair >= t_end).to(tl.int32) + (pair >= h_end).to(tl.int32)
+            turned = (d0 != 0) | (d1 != 0) | (d2 != 0)
+            delta = tl.where(axis[None, :] == 0, d0[:, None], tl.where(axis[None, :] == 1, d1[:, None], d2[:, None]))
+        else:
+            turned = d0 != 0
+            delta = d0[:, None]
+    else:
+        turned = token < 0
+    k_base = k_ptr + row.to(tl.int64) * sk_h + stream.to(tl.int64) * sk_b
+    mask_k = (live & (moved | turned))[:, None] & in_dim[None, :]
+    k1 = tl.load(k_base + src_row * sk_n + pair[None, :] * sk_d, mask=mask_k, other=0)
+    k2 = tl.load(k_base + src_row * sk_n + (pair + HALF)[None, :] * sk_d, mask=mask_k, other=0)
+    if ROTATE:
+        angle = delta.to(WORK) * inv_freq[None, :]
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+        w1 = k1.to(WORK)
+        w2 = k2.to(WORK)
+        k1 = (w1 * cos - w2 * sin).to(k_ptr.dtype.element_ty)
+        k2 = (w2 * cos + w1 * sin).to(k_ptr.dtype.element_ty)
+    tl.store(k_base + dst_row * sk_n + pair[None, :] * sk_d, k1, mask=mask_k)
+    tl.store(k_base + dst_row * sk_n + (pair + HALF)[None, :] * sk_d, k2, mask=mask_k)
+
+
+def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mrope_section) -> None:
+    """Row work in one launch of `_frame_move_kernel`: re-indexing, one item per home slot (every retained key
+    rotates); otherwise one per overflow slot (only movers change slot). Nothing launches when there is no work."""
+    P, T = cfg.prefix_len, cfg.tokens_per_frame
+    H, B, _, D = keys.shape
+    rotate = work.delta is not None
+    if rotate:
+        home = torch.arange(work.held, device=keys.device).expand_as(work.source)
+        source, destination = work.source.contiguous(), home.contiguous()
+        delta = work.delta.contiguous()
+    else:
+        overflow = work.window + torch.arange(work.destination.shape[-1], device=keys.device)
+        source, destination = overflow.expand_as(work.destination).contiguous(), work.destination.contiguous()
+        delta = destination  # not read (ROTATE off)
+    J = source.shape[-1]
+    if J == 0:
+        return
+    half = D // 2
+    t_end = h_end = half
+    if mrope_section is not None:
+        t_end = int(mrope_section[0])
+        h_end = t_end + int(mrope_section[1])
+    arith = work_dtype(keys)
+    block_pairs = triton.next_power_of_2(half)
+    # a half tile of _TILE_BYTES in the widest dtype a thread holds it in (the cache's, or the rotation's work
+    # dtype): every dtype gets the same registers per thread, each thread's share still whole 16-byte vectors
+    element = max(keys.element_size(), arith.itemsize if rotate else 0)
+    block_t = min(triton.next_power_of_2(T), max(1, _TILE_BYTES // (block_pairs * element)))
+    launch(_frame_move_kernel, (H * B * J, triton.cdiv(T, block_t)), keys, values, source, destination, delta,
+           inv_freq.to(device=keys.device, dtype=arith), *keys.stride(), *values.stride(), B, J, T, P, half,
+           t_end, h_end, A=3 if mrope_section is not None else 1, ROTATE=rotate, WORK=TRITON_WORK[arith],
+           BLOCK_T=block_t, BLOCK_PAIRS=block_pairs)
+
+
+def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
+                      mrope_section: Sequence[int] | None, held: int, num_frames: int, first_frame: int,
+                      reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
+    """`h2svc_step_torch` with the features, the STCE walk and the row work as Triton launches (3 for an
+    EPISODIC block, 1 for a FIFO block, none when nothing moves); the plan is torch ops, no host sync."""
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, mrope_section, held, num_frames, first_frame,
+                     reindex, next_position, features, _features.frame_features_triton, _stce.stce_select_triton)
+    _move_rows_triton(keys, values, work, cfg, inv_freq, mrope_section)
+    return work.held
+
+
+@gpu_spec(_frame_move_kernel, _features._frame_features_kernel, _stce._stce_kernel, max_spill_bytes=0,
+          case=H2SVCCase)
+def _gpu_spec(case: H2SVCCase) -> None:
+    """The whole step of every class block, as a stream makes it: the plan's torch ops run on the meta tensors
+    too (they read nothing on the host), so the guard compiles the launches `h2svc_step_triton` itself makes: the
+    move of each block and, for the episodic block, the feature and STCE launches before it."""
+    for cls in case.classes:
+        block = case.block(cls)
+        h2svc_step_triton(block.keys, block.values, block.positions, block.slot_frames, case.cfg, cls,
+                          case.inv_freq(), case.mrope_section, case.cfg.window(cls), case.chunk_frames,
+                          case.first_frame, case.reindex, case.next_position, block.features)

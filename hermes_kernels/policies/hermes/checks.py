@@ -1,0 +1,173 @@
+"""Input checks of the HERMES ops, shared by the reference (`hermes_kernels.policies.hermes.reference`) and the
+kernels (`hermes_kernels.policies.hermes.ops`) (docs/hermes.md §3).
+
+Every check runs before anything is written, so a failed call leaves the cache untouched. Errors name the
+argument and the expected shape. The only host synchronisation is the finiteness test of `attn`. The generic
+checks both policies use are `hermes_kernels.checks`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...checks import check_keys_values, check_positions, check_rotary, check_same_device, check_tensor
+from ...dtypes import CACHE_DTYPES, SCORE_DTYPES
+from .config import HermesConfig
+
+
+def _config(cfg) -> None:
+    if not isinstance(cfg, HermesConfig):
+        raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
+
+
+def check_pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> None:
+    """q [B,H,Q,D] / k [B,Hkv,N,D], or stacked [L,B,H,Q,D] / [L,B,Hkv,N,D]; H % Hkv == 0, 1 <= Q <= N."""
+    check_tensor("q", q, (4, 5), CACHE_DTYPES, "[B, H, Q, D] or [L, B, H, Q, D]")
+    check_tensor("k", k, (q.dim(),), CACHE_DTYPES, "[B, Hkv, N, D]" if q.dim() == 4 else "[L, B, Hkv, N, D]")
+    check_same_device("k", k, "q", q)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: dtype {k.dtype} differs from q's {q.dtype}")
+    lead = q.shape[:-3]
+    H, Q, D = q.shape[-3:]
+    Hkv, N, Dk = k.shape[-3:]
+    if k.shape[:-3] != lead or Dk != D:
+        raise ValueError(f"k: expected shape {[*lead, 'Hkv', 'N', D]} to match q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    if min(q.shape) < 1 or min(k.shape) < 1:
+        raise ValueError(f"q, k: every dimension must be >= 1, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if H % Hkv != 0:
+        raise ValueError(f"k: {Hkv} KV heads do not divide q's {H} heads (GQA needs H % Hkv == 0)")
+    if not 1 <= Q <= N:
+        raise ValueError(f"q: {Q} query tokens against {N} keys; need 1 <= Q <= N (the last Q keys are the queries')")
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
+
+
+def check_attn(attn: torch.Tensor, cfg: HermesConfig, num_visual: int | None = None) -> None:
+    """attn [L, B, V] float32/float64, finite; L = cfg.num_layers; V = num_visual when given."""
+    _config(cfg)
+    check_tensor("attn", attn, (3,), SCORE_DTYPES, "[L, B, V] float32")
+    L, B, V = attn.shape
+    if L != cfg.num_layers:
+        raise ValueError(f"attn: expected [L={cfg.num_layers}, B, V], got {tuple(attn.shape)}")
+    if V < 1 or B < 1:
+        raise ValueError(f"attn: expected B >= 1 streams and V >= 1 visual tokens, got {tuple(attn.shape)}")
+    if num_visual is not None and V != num_visual:
+        raise ValueError(f"attn: expected [L, B, V={num_visual}] (V = N - prefix_len), got {tuple(attn.shape)}")
+    finite = torch.isfinite(attn).flatten(1).all(dim=1)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(f"attn: non-finite values in layer(s) {bad}")
+
+
+def check_scores(scores: torch.Tensor, cfg: HermesConfig) -> None:
+    """scores [L, B, V] float32/float64 with L = cfg.num_layers (finiteness is checked on attn upstream)."""
+    _config(cfg)
+    check_tensor("scores", scores, (3,), SCORE_DTYPES, "[L, B, V] float32")
+    if scores.shape[0] != cfg.num_layers or scores.shape[1] < 1 or scores.shape[2] < 1:
+        raise ValueError(f"scores: expected [L={cfg.num_layers}, B>=1, V>=1], got {tuple(scores.shape)}")
+
+
+def check_layers(layers, cfg: HermesConfig) -> range:
+    """layers: None (all of cfg's layers) or a non-empty `range` with step 1 inside [0, L). Returns the range."""
+    _config(cfg)
+    if layers is None:
+        return range(cfg.num_layers)
+    if not isinstance(layers, range):
+        raise TypeError(f"layers: expected a range of consecutive layer indices, got {type(layers).__name__}")
+    if layers.step != 1 or len(layers) == 0 or layers.start < 0 or layers.stop > cfg.num_layers:
+        raise ValueError(f"layers: expected a non-empty range with step 1 inside [0, L={cfg.num_layers}), "
+                         f"got {layers}")
+    return layers
+
+
+def check_compacted_flag(compacted_flag, keys: torch.Tensor) -> None:
+    """compacted_flag: None, or a 0-dim bool tensor on keys' device (the caller's re-index decision, §2.7)."""
+    if compacted_flag is None:
+        return
+    check_tensor("compacted_flag", compacted_flag, (0,), (torch.bool,), "[] (0-dim) bool")
+    check_same_device("compacted_flag", compacted_flag, "keys", keys)
+
+
+def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, cfg: HermesConfig,
+                inv_freq: torch.Tensor, mrope_section: Sequence[int] | None, layers: range | None = None) -> None:
+    """keys/values [L,B,Hkv,N,D] one dtype and device, positions int64 [L,B,N] or [L,B,3,N] (M-RoPE),
+    inv_freq [D/2], mrope_section summing to D/2 when given; N > prefix_len. L = len(layers), the layers of
+    cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`."""
+    _config(cfg)
+    check_keys_values(keys, values, 5, "[L, B, Hkv, N, D]")
+    L, B, Hkv, N, D = keys.shape
+    expected_layers = cfg.num_layers if layers is None else len(layers)
+    if L != expected_layers:
+        held = "" if layers is None else f" for layers {layers}"
+        raise ValueError(f"keys: expected [L={expected_layers}, B, Hkv, N, D]{held}, got {tuple(keys.shape)}")
+    if B < 1 or Hkv < 1:
+        raise ValueError(f"keys: expected B >= 1 and Hkv >= 1, got {tuple(keys.shape)}")
+    if N <= cfg.prefix_len:
+        raise ValueError(f"keys: cache length N={N} holds no visual token after prefix_len={cfg.prefix_len}")
+    if D % 2:
+        raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
+    check_positions(positions, [L, B], N, mrope_section, keys)
+    check_rotary(inv_freq, mrope_section, D)
+
+
+def check_keep(keep: torch.Tensor, keys: torch.Tensor, cfg: HermesConfig) -> None:
+    """keep int64 [L, B, min(budget, V)] on keys' device (as returned by `select_keep`)."""
+    L, B, _, N, _ = keys.shape
+    n = min(cfg.budget, N - cfg.prefix_len)
+    check_tensor("keep", keep, (3,), (torch.int64,), f"[L={L}, B={B}, n={n}] int64")
+    if list(keep.shape) != [L, B, n]:
+        raise ValueError(f"keep: expected [L={L}, B={B}, n={n}] int64, got {tuple(keep.shape)}")
+    check_same_device("keep", keep, "keys", keys)
+
+
+def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) -> None:
+    """All checks of one compression step (§3 `compress_step`), before anything is written."""
+    check_cache(keys, values, positions, cfg, inv_freq, mrope_section)
+    check_attn(attn, cfg, num_visual=keys.shape[3] - cfg.prefix_len)
+    if attn.shape[1] != keys.shape[1]:
+        raise ValueError(f"attn: expected [L, B={keys.shape[1]}, V], got {tuple(attn.shape)}")
+    check_same_device("attn", attn, "keys", keys)
+
+
+def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None) -> None:
+    """All checks of one compression step over a cache split into per-device stacks (§2.6–2.7), before anything
+    is written on any device.
+
+    stacks: a non-empty sequence of (layers, keys, values, positions, inv_freq); `layers` is a range whose stack
+    passes `check_cache`; the ranges follow each other in order and cover [0, L) exactly; every stack has the
+    same [B, Hkv, N, D]. attn: [L, B, N - prefix_len] float32, finite, on any device.
+    """
+    _config(cfg)
+    if isinstance(stacks, (str, bytes)) or not isinstance(stacks, Sequence) or len(stacks) == 0:
+        raise TypeError(f"stacks: expected a non-empty sequence of (layers, keys, values, positions, inv_freq), "
+                        f"got {type(stacks).__name__}")
+    next_layer = 0
+    for index, stack in enumerate(stacks):
+        if not isinstance(stack, Sequence) or len(stack) != 5:
+            raise TypeError(f"stacks[{index}]: expected a (layers, keys, values, positions, inv_freq) tuple, got "
+                            f"{type(stack).__name__}")
+        layers, keys, values, positions, inv_freq = stack
+        try:
+            if layers is None:  # check_layers reads None as "all layers"; a stack must say which it holds
+                raise TypeError("layers: expected a range of consecutive layer indices, got NoneType")
+            check_layers(layers, cfg)
+            check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"stacks[{index}]: {error}") from error
+        if layers.start != next_layer:
+            raise ValueError(f"stacks[{index}]: layers {layers} should start at layer {next_layer}; the stacks' "
+                             f"ranges must cover layers 0..{cfg.num_layers - 1} in order, without gaps or overlaps")
+        first_shape = stacks[0][1].shape[1:]
+        if keys.shape[1:] != first_shape:
+            raise ValueError(f"stacks[{index}]: keys [L, B, Hkv, N, D] = {tuple(keys.shape)} differ from stack 0's "
+                             f"[B, Hkv, N, D] = {tuple(first_shape)}; every layer holds the same slots")
+        next_layer = layers.stop
+    if next_layer != cfg.num_layers:
+        raise ValueError(f"stacks: the layer ranges end at layer {next_layer}, expected them to cover all "
+                         f"L={cfg.num_layers} layers")
+    _, B, _, N, _ = stacks[0][1].shape
+    check_attn(attn, cfg, num_visual=N - cfg.prefix_len)
+    if attn.shape[1] != B:
+        raise ValueError(f"attn: expected [L, B={B}, V], got {tuple(attn.shape)}")

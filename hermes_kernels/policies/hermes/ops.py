@@ -1,0 +1,118 @@
+"""The HERMES ops of the kernel library (docs/hermes.md §3): input checks, then the backend the one dispatch point
+(`hermes_kernels.dispatch`) picks, each implementing the contract of `hermes_kernels.policies.hermes.reference`.
+
+`compress_stacks` is the step for a cache whose layers are split into per-device stacks (`device_map` models): one
+selection and one re-index decision for all layers, then `compact` of each stack's layer range on its own device.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...dispatch import pick, resolve_backend
+from ...results import CompressResult
+from . import compaction, pooling, scoring, select
+from .checks import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep, check_layers,
+                     check_pooled_attention, check_scores, check_stacks)
+from .config import HermesConfig
+
+
+def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """Mean over heads and query tokens of causal softmax probabilities per key (§2.3).
+
+    q [B, H, Q, D] / k [B, Hkv, N, D] (or stacked [L, ...]) -> float32 [B, N] ([L, B, N]); never builds [H, Q, N].
+    """
+    check_pooled_attention(q, k, scale)
+    impl = pick(backend, q.device, pooling.pooled_attention_triton, pooling.pooled_attention_torch)
+    return impl(q, k, scale)
+
+
+def hermes_scores(attn: torch.Tensor, cfg: HermesConfig, backend: str = "auto") -> torch.Tensor:
+    """Smoothed scores S~ float32 [L, B, V] from pooled attention [L, B, V] (§2.3–2.4)."""
+    check_attn(attn, cfg)
+    impl = pick(backend, attn.device, scoring.hermes_scores_triton, scoring.hermes_scores_torch)
+    return impl(attn, cfg)
+
+
+def select_keep(scores: torch.Tensor, cfg: HermesConfig, backend: str = "auto") -> torch.Tensor:
+    """Kept visual indices int64 [L, B, min(budget, V)], ascending, -1 padded (eq. 6, §2.5)."""
+    check_scores(scores, cfg)
+    impl = pick(backend, scores.device, select.select_keep_triton, select.select_keep_torch)
+    return impl(scores, cfg)
+
+
+def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+            backend: str = "auto", *, layers: range | None = None,
+            compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+    """In-place gather + re-index + rotary delta + summary (Alg. 1, appendix E). Returns (length, compacted_flag).
+
+    Same contract as `hermes.reference.compact`: `layers` (a range with step 1 inside [0, L)) names the config
+    layers the tensors hold, default all; `compacted_flag` (0-dim bool on keys' device) is the caller's re-index
+    decision for the whole model and wins over the config (§2.7), default: decided from these positions.
+    """
+    layers = check_layers(layers, cfg)
+    check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+    check_keep(keep, keys, cfg)
+    check_compacted_flag(compacted_flag, keys)
+    impl = pick(backend, keys.device, compaction.compact_triton, compaction.compact_torch)
+    return impl(keys, values, positions, keep, cfg, inv_freq, mrope_section, layers, compacted_flag)
+
+
+def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
+                  cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+                  backend: str = "auto") -> CompressResult:
+    """One HERMES compression step in place; same contract as `hermes.reference.compress_step` (§3).
+
+    keys/values [L, B, Hkv, N, D] fp16/bf16/fp32 (first `length` slots valid afterwards); positions int64
+    [L, B, N] or [L, B, 3, N] (M-RoPE with `mrope_section`); attn float32 [L, B, N - prefix_len].
+    """
+    check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
+    return _compress([(range(cfg.num_layers), keys, values, positions, inv_freq)], attn, cfg, mrope_section,
+                     backend)
+
+
+def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                    attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None = None,
+                    backend: str = "auto") -> CompressResult:
+    """One HERMES compression step, in place, over a cache whose layers are split into per-device stacks (§2.6).
+
+    stacks: (layers, keys, values, positions, inv_freq) per stack, in layer order: `layers` a range of the config's
+        layers that the stack holds (the ranges cover [0, L) without gaps), keys/values [len(layers), B, Hkv, N, D],
+        positions int64 [len(layers), B, N] or [len(layers), B, 3, N], inv_freq [D/2]; each stack on its own
+        device (several stacks may share one).
+    attn: float32 [L, B, N - prefix_len] pooled guidance attention, on any device.
+    Every stack and attn are checked before anything is written on any device. Scores and keep are computed once
+    on attn's device; one re-index decision for all stacks (§2.7) is combined there from every stack's largest
+    position without a host sync; then each stack is compacted on its own device with its rows of keep and the
+    flag. The result's keep, scores and compacted_flag live on attn's device. `backend` is resolved per device.
+    """
+    check_stacks(stacks, attn, cfg, mrope_section)
+    return _compress(stacks, attn, cfg, mrope_section, backend)
+
+
+def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None,
+              backend: str) -> CompressResult:
+    """The step behind `compress_step` and `compress_stacks`, on inputs already checked (§2.3–2.8); an unknown
+    backend raises at the first dispatch, before anything is written.
+
+    A single stack next to attn keeps the fused path: its compaction decides the re-index flag itself, in the
+    same launches. Otherwise the flag is decided once here from all stacks and handed to every compaction.
+    """
+    if resolve_backend(backend, attn.device) == "triton":
+        scores = scoring.hermes_scores_triton(attn, cfg)
+        keep = select.select_keep_triton(scores, cfg)
+    else:
+        scores = scoring.hermes_scores_torch(attn, cfg)
+        keep = select.select_keep_torch(scores, cfg)
+    fused = len(stacks) == 1 and stacks[0][1].device == attn.device
+    flag = None if fused else compaction.reindex_flag([stack[3] for stack in stacks], cfg, attn.device)
+    for layers, keys, values, positions, inv_freq in stacks:
+        device = keys.device
+        impl = pick(backend, device, compaction.compact_triton, compaction.compact_torch)
+        length, decided = impl(keys, values, positions, keep[layers.start:layers.stop].to(device), cfg, inv_freq,
+                               mrope_section, layers, None if fused else flag.to(device))
+        flag = decided if fused else flag
+    return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), compacted_flag=flag)

@@ -1,0 +1,208 @@
+"""Smoke benchmarks of every stage x backend (pytest-benchmark) and checks of the harness itself.
+
+    pytest bench/test_bench.py --benchmark-autosave          # save a run
+    pytest bench/test_bench.py --benchmark-compare           # compare with the last saved one
+
+Sizes are tiny (seconds in total): these cases keep the harness and every backend's entry points runnable,
+they are not the numbers to quote (those come from `python -m bench`). Triton is timed only on CUDA: on CPU
+its cases skip with that reason, and the interpreter's correctness is covered by tests/.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+
+import pytest
+import torch
+
+from hermes_kernels.policies.hermes import reference
+
+from bench import cli, report, stages, stream_memory
+from bench.shapes import SHAPES, SMOKE_SHAPES
+from bench.stages import STAGES, Spec, cache_bytes, floor_bytes, make_inputs, stage_backends, stage_policy
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SMOKE_TOKENS_PER_FRAME = 32
+
+
+@functools.lru_cache(maxsize=None)
+def smoke_inputs(shape_name: str, policy: str = "hermes"):
+    """One tiny cache (HERMES) or set of class blocks (H2SVC) per smoke shape (fp16 on CUDA, fp32 on CPU), shared
+    by the benchmark cases."""
+    spec = Spec(shape=SMOKE_SHAPES[shape_name], budget=48 if policy == "hermes" else 0, chunk_frames=2,
+                dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32, device=DEVICE,
+                tokens_per_frame=SMOKE_TOKENS_PER_FRAME, policy=policy)
+    return make_inputs(spec)
+
+
+BENCH_CASES = [(stage, backend) for stage in STAGES for backend in stage_backends(stage, stages.BACKENDS)]
+
+
+@pytest.mark.parametrize("shape_name", sorted(SMOKE_SHAPES))
+@pytest.mark.parametrize("stage,backend", BENCH_CASES, ids=[f"{s}-{b}" for s, b in BENCH_CASES])
+def test_stage_benchmark(benchmark, stage, backend, shape_name):
+    if backend == "triton" and DEVICE.type != "cuda":
+        pytest.skip("triton is timed on CUDA only; on CPU the interpreter is for correctness (tests/)")
+    inputs = smoke_inputs(shape_name, stage_policy(stage))
+    case = STAGES[stage](inputs, backend)   # an Unavailable backend fails here: torch/reference must exist
+    benchmark.group = f"{stage}-{shape_name}"
+    benchmark.pedantic(case.run, setup=case.reset, rounds=5, iterations=1, warmup_rounds=1)
+
+
+def test_eager_pooled_attention_matches_reference():
+    """The eager baseline must compute the same function as the oracle, or the memory comparison is moot."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 5, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 2, 37, 16, generator=gen, dtype=torch.float64)
+    got = stages.eager_pooled_attention(q, k)
+    want = reference.pooled_attention(q, k).to(torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape_name", ["llava-ov-7b", "qwen2.5-vl-7b"])
+def test_synthetic_positions_look_like_a_streamed_cache(shape_name):
+    spec = Spec(shape=SHAPES[shape_name], budget=300, chunk_frames=2, dtype=torch.float32,
+                device=torch.device("cpu"))
+    pos = stages.visual_positions(spec, torch.Generator().manual_seed(3))
+    L, P, N = spec.shape.num_layers, spec.prefix_len, spec.num_tokens
+    axes = pos.unsqueeze(2) if spec.shape.mrope_section is None else pos
+    assert axes.shape == (L, 1, 1 if spec.shape.mrope_section is None else 3, N)
+    assert torch.equal(axes[..., :P], torch.arange(P).expand(L, 1, axes.shape[2], P))
+    t = axes[:, :, 0, P:]
+    step = t.diff(dim=-1)
+    if spec.shape.mrope_section is None:
+        assert (step >= 1).all() and (step > 1).any(), "visual positions must increase, with gaps"
+    else:
+        assert (step >= 0).all() and (step > 1).any(), "frame times must not decrease, with gaps"
+        hw = axes[:, :, 1:, P:]
+        assert hw.min() == P and hw.max() == P + 13, "h/w come from a 14x14 merged grid offset by P"
+    assert not torch.equal(axes[0], axes[1]), "each layer keeps its own positions"
+
+
+def test_distinct_values_have_no_ties_and_no_zeros():
+    x = stages.distinct_values(torch.Generator().manual_seed(0), (3, 2, 1000), torch.device("cpu"))
+    assert (x > 0).all()
+    assert (x.sort(dim=-1).values.diff(dim=-1) > 0).all()
+
+
+def test_floor_bytes_match_design_section_4():
+    """DESIGN.md §4 at LLaVA-OV-7B fp16, 6K, 16 frames: read ~0.52 GB of K/V, write ~0.34 GB."""
+    spec = Spec(shape=SHAPES["llava-ov-7b"], budget=6000, chunk_frames=16, dtype=torch.float16,
+                device=torch.device("cpu"))
+    kv_read = 2 * 28 * 4 * 9150 * 128 * 2
+    kv_write = 2 * 28 * 4 * 6000 * 128 * 2
+    assert spec.num_tokens == 9150
+    assert abs(kv_read - 0.52e9) < 0.01e9 and abs(kv_write - 0.34e9) < 0.01e9
+    small = 28 * (9150 + 6000) * 8 + 28 * 6000 * 8      # positions in and out, keep
+    assert floor_bytes(spec)["compact"] == kv_read + kv_write + small
+    assert floor_bytes(spec)["step"] == kv_read + kv_write + small + 2 * 28 * 9136 * 4
+
+
+def test_h2svc_cache_bytes_at_llava_ov_7b():
+    """H2SVC.md §5: with the default ratios the three memories hold 0.1·4 + 0.4·16 + 0.5·64 = 38.8 of 64 frames'
+    worth of heads (11 / 45 / 56 of 112 heads at LLaVA-OV-7B); fp16 K and V of D = 128 take 512 bytes a token."""
+    sizes = cache_bytes(SHAPES["llava-ov-7b"], torch.float16, prefix_len=14, tokens_per_frame=196, chunk_frames=16,
+                        budget=6000, dense_frames=64)
+    per_token = 2 * 128 * 2
+    h2svc = 11 * (14 + 4 * 196) + 45 * (14 + 16 * 196) + 56 * (14 + 64 * 196)
+    assert sizes["h2svc"] == (h2svc * per_token, (h2svc + 112 * 16 * 196) * per_token)
+    assert sizes["dense 64-frame"][0] == 112 * (14 + 64 * 196) * per_token
+    assert sizes["hermes b=6000"][0] == 112 * (14 + 6000) * per_token
+    assert 0.60 < sizes["h2svc"][0] / sizes["dense 64-frame"][0] < 0.61
+
+
+def test_stream_memory_table_at_the_7b_shapes():
+    """512 s at 1 fps: LLaVA-OV keeps 512 frames, Qwen2.5-VL 256 grid steps; fp16 K+V, 112 heads of D = 128, 196
+    tokens a frame, P = 14; H2SVC reserves P + (W_c + F_max)·T_f + 512 slots per row (F_max 16 frames, Qwen 8)."""
+    per_token, heads = 2 * 128 * 2, 28 * 4
+    rows = {"instant": 11, "short": 45, "episodic": 56}
+    windows = {"instant": 4, "short": 16, "episodic": 64}
+    for name, frames, chunk in (("llava-ov-7b", 512, 16), ("qwen2.5-vl-7b", 256, 8)):
+        sizes = stream_memory.stream_bytes(name, 512, 1.0)
+        assert sizes["frames"] == frames
+        assert sizes["full"] == heads * (14 + frames * 196) * per_token
+        assert sizes["hermes"] == heads * (14 + 6000) * per_token
+        assert sizes["h2svc"] == sum(rows[c] * (14 + windows[c] * 196) for c in rows) * per_token
+        assert sizes["h2svc_allocated"] == sum(rows[c] * (14 + (windows[c] + chunk) * 196 + 512)
+                                               for c in rows) * per_token
+        assert sizes["hermes_allocated"] == heads * (14 + 6000 + chunk * 196 + 512) * per_token
+    assert stream_memory.stream_bytes("llava-ov-7b", 512, 0.5)["frames"] == 256
+    assert stream_memory.stream_bytes("qwen2.5-vl-7b", 512, 0.5)["frames"] == 128
+    assert "76.2 GB" in stream_memory.report()
+
+
+def test_h2svc_points_run_only_h2svc_stages_and_count_their_movers():
+    """An H2SVC point measures the H2SVC stages only; its FIFO blocks move min(F, W) frames a row, the episodic
+    block the arrivals STCE kept (between 1 and min(F, N_e) a row: the newest arrival always stays)."""
+    spec = Spec(shape=SMOKE_SHAPES["smoke-1d"], budget=0, chunk_frames=3, dtype=torch.float32,
+                device=torch.device("cpu"), tokens_per_frame=8, policy="h2svc")
+    inputs = make_inputs(spec)
+    cfg = spec.h2svc_cfg
+    assert inputs.movers[0] == cfg.num_rows(0) * min(3, cfg.window(0))
+    assert inputs.movers[1] == cfg.num_rows(1) * min(3, cfg.window(1))
+    assert cfg.num_rows(2) <= inputs.movers[2] <= cfg.num_rows(2) * 3
+    args = cli.parse_args(["--quick", "--no-memory"])
+    rows = cli.measure([spec], ["scores", "h2svc_stce", "h2svc_step"], ("torch",), args, torch.device("cpu"))
+    assert [r.stage for r in rows] == ["h2svc_stce", "h2svc_step"] and all(r.ok and r.budget == 0 for r in rows)
+    assert rows[1].has_floor and rows[1].bytes_moved > 0
+
+
+def test_unavailable_and_failing_backends_become_rows_not_crashes(monkeypatch):
+    def missing(inputs, backend):
+        raise NotImplementedError("lands later")
+
+    def broken(inputs, backend):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(STAGES, "missing", missing)
+    monkeypatch.setitem(STAGES, "broken", broken)
+    spec = Spec(shape=SMOKE_SHAPES["smoke-1d"], budget=16, chunk_frames=1, dtype=torch.float32,
+                device=torch.device("cpu"), tokens_per_frame=8)
+    args = cli.parse_args(["--quick", "--no-memory"])
+    rows = cli.measure([spec], ["missing", "broken", "scores"], ("reference",), args, torch.device("cpu"))
+    status = {r.stage: r.status for r in rows}
+    assert status["missing"].startswith("n/a") and "lands later" in status["missing"]
+    assert status["broken"].startswith("error") and "boom" in status["broken"]
+    assert status["scores"] == "ok"
+    table = report.format_table(rows)
+    assert "lands later" in table and "boom" in table
+
+
+def test_speedup_and_floor_ratio():
+    def row(backend, stage, median):
+        return report.Row(stage=stage, backend=backend, shape="s", budget=4, chunk=1, dtype="float32", batch=1,
+                          reindex="eager", num_tokens=10, bytes_moved=10 ** 7, has_floor=stage == "step",
+                          median_ms=median)
+
+    rows = [row("reference", "step", 6.0), row("torch", "step", 2.0), row("torch", "scores", 1.0)]
+    report.fill_speedups(rows)
+    report.fill_floor_ratios(rows, bandwidth=1e10)     # 1e7 bytes at 1e10 B/s: a 1 ms floor
+    assert [r.speedup_vs_reference for r in rows] == [1.0, 3.0, None]
+    assert rows[0].floor_ratio == pytest.approx(6.0) and rows[1].floor_ratio == pytest.approx(2.0)
+    assert rows[2].floor_ratio is None
+
+
+def test_csv_appends_with_one_header(tmp_path):
+    row = report.Row(stage="step", backend="torch", shape="s", budget=4, chunk=1, dtype="float32", batch=1,
+                     reindex="eager", num_tokens=10, median_ms=1.5, p20_ms=1.0, p80_ms=2.0, repeats=3)
+    skipped = report.Row(stage="step", backend="triton", shape="s", budget=4, chunk=1, dtype="float32", batch=1,
+                         reindex="eager", num_tokens=10, status="n/a: no CUDA")
+    path = tmp_path / "cpu.csv"
+    assert report.append_csv([row, skipped], path, "dev", "abc123", 40.0) == 1
+    assert report.append_csv([row], path, "dev", "abc123", 40.0) == 1
+    with open(path) as f:
+        records = list(csv.DictReader(f))
+    assert len(records) == 2
+    assert records[0]["median_ms"] == "1.5" and records[0]["commit"] == "abc123" and records[0]["device"] == "dev"
+
+
+def test_quick_main_job_runs(tmp_path, capsys):
+    """`python -m bench --quick` end to end (the CI smoke run of the main job), into a temp folder."""
+    code = cli.main(["--quick", "--results-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert (tmp_path / f"{report.device_kind(DEVICE)}.csv").stat().st_size > 0
+    assert "step" in out and "copy bandwidth" in out
+    assert "h2svc_step" in out and "cache K+V bytes" in out
+    assert "512 s stream" in out and "qwen2.5-vl-7b" in out
+    assert "H2SVC (policy='h2svc'" in out and "H2SVC cache MiB per class" in out

@@ -1,0 +1,117 @@
+"""The whole step: hermes_kernels.compress_step on both backends against hermes.reference.compress_step."""
+import pytest
+import torch
+
+import hermes_kernels as hk
+from hermes_kernels import HermesConfig
+from hermes_kernels.policies.hermes import reference as ref
+from tests.utils import DEVICE, TORCH_OPS
+from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
+
+BACKENDS = ["torch", TORCH_OPS, "triton"]
+
+# (L, B, Hkv, D, P, V, budget, dtype, mrope_section, reindex, cascade, summary, preset)
+CASES = [
+    (4, 1, 2, 64, 0, 37, 16, torch.float32, None, "eager", True, True, "qwen2_5_vl"),
+    (5, 3, 1, 128, 14, 41, 20, torch.float16, None, "lazy", True, True, "llava_ov"),
+    (4, 3, 3, 64, 14, 20, 20, torch.bfloat16, None, "eager", False, True, "paper"),
+    (6, 1, 2, 16, 3, 29, 11, torch.float32, [2, 3, 3], "eager", True, True, "qwen2_5_vl"),
+    (4, 2, 2, 128, 14, 45, 23, torch.float16, [16, 24, 24], "lazy", True, True, "qwen2_5_vl"),
+    (4, 2, 1, 16, 0, 9, 12, torch.float32, [2, 3, 3], "eager", True, True, "qwen2_5_vl"),
+    (5, 2, 2, 64, 14, 33, 13, torch.bfloat16, None, "eager", True, False, "llava_ov"),
+    (4, 1, 3, 64, 3, 30, 30, torch.float32, None, "lazy", False, True, "paper"),
+]
+
+
+def run_case(case, backend, seed, start=0, max_positions=None):
+    L, B, Hkv, D, P, V, budget, dtype, section, reindex, cascade, summary, preset = case
+    N = P + V
+    extra = {} if max_positions is None else dict(max_positions=max_positions, margin=64)
+    cfg = getattr(HermesConfig, preset)(L, budget, P, reindex=reindex, cascade=cascade, summary=summary, **extra)
+    g = torch.Generator().manual_seed(seed)
+    # the cache is a view of a larger buffer whose tail is poisoned: nothing may touch it
+    keys_buf = torch.full((L, B, Hkv, N + 5, D), float("nan"), dtype=dtype)
+    values_buf = torch.full_like(keys_buf, float("nan"))
+    keys_buf[..., :N, :] = torch.randn(L, B, Hkv, N, D, generator=g).to(dtype)
+    values_buf[..., :N, :] = torch.randn(L, B, Hkv, N, D, generator=g).to(dtype)
+    positions = synthetic_positions(L, B, N, P, g, mrope=section is not None, start=start)
+    attn = distinct_attention(L, B, V, g)
+    keys_buf, values_buf, positions, attn = (t.to(DEVICE) for t in (keys_buf, values_buf, positions, attn))
+    keys, values = keys_buf[..., :N, :], values_buf[..., :N, :]
+    inv_freq = inv_freq_for(D, device=DEVICE)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    expected = ref.compress_step(rk, rv, rp, attn.clone(), cfg, inv_freq, section)
+    ptrs = (keys.data_ptr(), values.data_ptr(), positions.data_ptr())
+    got = hk.compress_step(keys, values, positions, attn, cfg, inv_freq, section, backend=backend)
+    assert (keys.data_ptr(), values.data_ptr(), positions.data_ptr()) == ptrs, "not in place"
+    assert torch.isnan(keys_buf[..., N:, :]).all() and torch.isnan(values_buf[..., N:, :]).all(), "wrote past N"
+    assert got.length == expected.length
+    assert got.compacted == expected.compacted
+    assert torch.equal(got.keep.cpu(), expected.keep.cpu()), "keep indices differ"
+    assert_close_verbose(got.scores, expected.scores, 1e-5, 1e-5, "scores")
+    n = got.length
+    assert torch.equal(positions[..., :n].cpu(), rp[..., :n].cpu()), "positions differ"
+    atol, rtol = TOL[dtype]
+    assert_close_verbose(keys[..., :n, :], rk[..., :n, :], atol * 4, rtol * 4, "keys")
+    assert_close_verbose(values[..., :n, :], rv[..., :n, :], atol, rtol, "values")
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}B{c[1]}Hkv{c[2]}D{c[3]}P{c[4]}V{c[5]}b{c[6]}"
+                         f"-{str(c[7])[6:]}-{'mrope' if c[8] else '1d'}-{c[9]}-c{int(c[10])}s{int(c[11])}")
+def test_matches_reference(case, backend):
+    run_case(case, backend, seed=hash(case[:7]) % 1000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("section", [None, [2, 3, 3]])
+def test_lazy_threshold_crossed(backend, section):
+    case = (4, 2, 1, 16, 3, 25, 10, torch.float32, section, "lazy", True, True, "qwen2_5_vl")
+    assert not run_case(case, backend, seed=5, start=100, max_positions=1000).compacted
+    assert run_case(case, backend, seed=5, start=1000, max_positions=1000).compacted
+
+
+def launches_for(L, B):
+    case = (L, B, 1, 16, 2, 12, 6, torch.float32, None, "eager", True, True, "llava_ov")
+    before = hk.launch_count()
+    run_case(case, "triton", seed=L + B)
+    return hk.launch_count() - before
+
+
+def test_launch_count_independent_of_layers_and_streams():
+    counts = {(L, B): launches_for(L, B) for L, B in [(2, 1), (28, 1), (28, 3)]}
+    assert len(set(counts.values())) == 1, f"launches per step vary: {counts}"
+    assert 0 < counts[(2, 1)] <= 8, f"expected a handful of launches, got {counts[(2, 1)]}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_bad_input_leaves_cache_unchanged(backend):
+    cfg = HermesConfig.llava_ov(4, 5, 2)
+    g = torch.Generator().manual_seed(9)
+    keys = torch.randn(4, 1, 2, 12, 16, generator=g).to(DEVICE)
+    values, positions = keys.clone(), synthetic_positions(4, 1, 12, 2, g).to(DEVICE)
+    attn = distinct_attention(4, 1, 10, g, device=DEVICE)
+    attn[1, 0, 3] = float("nan")
+    snapshot = [t.clone() for t in (keys, values, positions)]
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\]"):
+        hk.compress_step(keys, values, positions, attn, cfg, inv_freq_for(16, device=DEVICE), backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        hk.compress_step(keys, values, positions, attn.nan_to_num(), cfg, inv_freq_for(16, device=DEVICE),
+                         backend="cuda")
+    for before, after in zip(snapshot, (keys, values, positions)):
+        assert torch.equal(before, after)
+
+
+def test_auto_backend_follows_the_device():
+    assert hk.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert hk.resolve_backend("auto", torch.device("cuda", 0)) == "triton"
+    assert hk.resolve_backend("torch", torch.device("cuda", 0)) == "torch"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real model shapes are checked on a GPU only (CPU: interpreter)")
+@pytest.mark.parametrize("preset, section", [("llava_ov", None), ("qwen2_5_vl", [16, 24, 24])])
+def test_real_shape_on_gpu(preset, section):
+    """LLaVA-OV-7B / Qwen2.5-VL-7B: 28 layers, 4 KV heads, D 128, prefix 14, budget 6000, a 3136-token chunk."""
+    case = (28, 1, 4, 128, 14, 6000 + 3136, 6000, torch.float16, section, "eager", True, True, preset)
+    run_case(case, "triton", seed=0)

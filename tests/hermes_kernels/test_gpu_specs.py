@@ -1,0 +1,242 @@
+"""The GPU compile guard: every Triton kernel builds for sm_80 and sm_90 without a GPU (bench/kernels.py over the specs
+of hermes_kernels/gpu_specs.py), within its spill bound and the target's shared-memory limit, its row moves
+vectorised, and no kernel of the package goes without a spec.
+
+The guard runs once per session as `python -m bench.kernels --json` in a subprocess without TRITON_INTERPRET: this
+process runs the interpreter when there is no GPU, and then @triton.jit makes interpreter objects, which cannot be
+compiled. Compiled results are cached under Triton's cache dir, keyed by Triton's own compile key, so a run after an
+unchanged kernel costs seconds (about 10 on 2 shared cores); a cold run about a minute and a half. The pieces it is
+made of (occupancy, ptxas log and PTX parsing, launch recording, the coverage rules) are tested here directly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import kernels as guard_module
+from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
+from hermes_kernels import gpu_specs
+from hermes_kernels.policies.h2svc import step as step_kernels
+from hermes_kernels.launch import launch, launch_count, recording
+from tests.utils import REPO
+
+ROOT = Path(REPO)
+TARGETS = {"sm_80", "sm_90"}
+GUARD_TIMEOUT_S = 1200  # a cold run on a loaded 2-core machine; the whole CI must stay under 20 minutes
+
+
+@pytest.fixture(scope="module")
+def guard(tmp_path_factory) -> dict:
+    """The guard's JSON report over every spec, case and target."""
+    report = tmp_path_factory.mktemp("guard") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, "-m", "bench.kernels", "--json", str(report)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=GUARD_TIMEOUT_S)
+    assert proc.returncode == 0, f"python -m bench.kernels failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(report.read_text())
+
+
+def _where(row: dict) -> str:
+    return f"{row['kernel']} {row['target']} [{row['spec']}] at {row['cases'][0]}"
+
+
+def test_every_kernel_has_a_spec_that_launches_it(guard):
+    assert guard["kernels"], "the guard found no @triton.jit kernel in hermes_kernels"
+    assert not guard["coverage"], "\n".join(guard["coverage"])
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90(guard):
+    errors = [f"{_where(row)}: {row['error']}" for row in guard["rows"] if "error" in row]
+    assert not errors, "\n".join(errors)
+    built = {(f"{row['module']}.{row['kernel']}", row["target"]) for row in guard["rows"]}
+    missing = [(kernel, target) for kernel in guard["kernels"] for target in TARGETS if (kernel, target) not in built]
+    assert not missing, f"kernels never compiled: {missing}"
+
+
+def test_spills_and_shared_memory_within_bounds(guard):
+    """Spill stores at most the spec's bound (0 for every kernel today), shared memory at most the per-block
+    limit of the target (A100: 163 KB, H100/H200: 227 KB)."""
+    assert not guard["violations"], "\n".join(guard["violations"])
+    for row in guard["rows"]:
+        assert row["spill_stores"] <= row["max_spill_bytes"], _where(row)
+        assert row["shared"] <= row["smem_limit"], _where(row)
+
+
+def test_row_moves_are_16_byte_vectors(guard):
+    """K/V row moves are 16-byte accesses at every case and target, e.g. ld.global.v4.b32 of 8 fp16 values: the
+    compaction's and the H2SVC step's (k and v halves: at least 4 loads and 4 stores per tile). Every store of the
+    H2SVC move kernel is a K/V row store, so all of them are 16-byte."""
+    for kernel in ("_move_kernel", "_frame_move_kernel"):
+        moves = [row for row in guard["rows"] if row["kernel"] == kernel]
+        assert {row["target"] for row in moves} == TARGETS, kernel
+        for row in moves:
+            assert row["mix"]["ld"].get("16", 0) >= 4 and row["mix"]["st"].get("16", 0) >= 4, \
+                f"{_where(row)}: row moves not vectorised: {row['mix']}"
+            if kernel == "_frame_move_kernel":
+                assert set(row["mix"]["st"]) == {"16"}, f"{_where(row)}: a narrow K/V store: {row['mix']}"
+
+
+def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
+    cases = [c for c in guard_module.spec_cases() if isinstance(c, gpu_specs.SpecCase)]
+    seen = {(c.dtype, c.mrope_section is not None, c.head_dim) for c in cases}
+    assert seen == {(dtype, mrope, dim) for dtype in (torch.float16, torch.bfloat16, torch.float32)
+                    for mrope in (False, True) for dim in (64, 128, 256)}
+    for model in ("llava-ov-7b", "qwen2.5-vl-7b"):
+        at = {(c.cfg.budget, c.reindex) for c in cases if c.label.startswith(model + " ")}
+        assert at >= {(b, r) for b in (4000, 6000) for r in ("eager", "lazy", "given")}, model
+    assert any(c.batch > 1 for c in cases)
+
+
+def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
+    cases = [c for c in guard_module.spec_cases() if isinstance(c, gpu_specs.H2SVCCase)]
+    seen = {(c.dtype, c.mrope_section is not None, c.head_dim, c.reindex) for c in cases}
+    assert seen == {(dtype, mrope, dim, reindex) for dtype in (torch.float16, torch.bfloat16, torch.float32)
+                    for mrope in (False, True) for dim in (64, 128, 256) for reindex in (False, True)}
+    for model in ("llava-ov-7b", "qwen2.5-vl-7b"):
+        at = {(c.chunk_frames, c.reindex, c.dtype) for c in cases if c.label.startswith(model + " ")}
+        assert at >= {(f, r, d) for f in (16, 8) for r in (False, True)
+                      for d in (torch.float16, torch.bfloat16, torch.float32)}, model
+    assert {c.batch for c in cases} == {1, 2}
+    # the default (depth-order) head map: every class has rows, so every block kind is driven
+    assert all(not c.cfg.profiled and c.classes == (INSTANT, SHORT, EPISODIC) for c in cases)
+    assert guard_module.spec_cases(policies=["hermes"]) == [c for c in guard_module.spec_cases()
+                                                            if isinstance(c, gpu_specs.SpecCase)]
+
+
+@pytest.mark.parametrize("reindex", [True, False])
+def test_h2svc_step_spec_launches_what_a_step_of_every_class_block_launches(reindex):
+    """The step's spec drives `h2svc_step_triton` on each class block of LLaVA-OV-7B (full memories, 16 frames):
+    features and STCE for the episodic block only, and one move per block with one work item per home slot when
+    re-indexing (every retained key rotates) or one per overflow slot (the F arrivals) otherwise."""
+    spec = next(s for s in gpu_specs.registered_specs() if s.name == f"{step_kernels.__name__}._gpu_spec")
+    case = next(c for c in guard_module.spec_cases(["llava-ov-7b"], ["fp16"], [1], ["h2svc"])
+                if c.chunk_frames == 16 and c.reindex is reindex)
+    with recording() as launches:
+        spec.drive(case)
+    cfg, F, T = case.cfg, case.chunk_frames, case.cfg.tokens_per_frame
+    expected = []
+    for cls in (INSTANT, SHORT, EPISODIC):
+        rows, window = cfg.num_rows(cls), cfg.window(cls)
+        if cls == EPISODIC:
+            expected += [(step_kernels._features._frame_features_kernel, rows * F),
+                         (step_kernels._stce._stce_kernel, rows)]
+        expected.append((step_kernels._frame_move_kernel, rows * (window if reindex else F)))
+    assert [(item.kernel, item.grid[0]) for item in launches] == expected
+    for item in launches:
+        if item.kernel is step_kernels._frame_move_kernel:
+            assert item.meta["ROTATE"] is reindex
+            assert (item.grid[1] - 1) * item.meta["BLOCK_T"] < T <= item.grid[1] * item.meta["BLOCK_T"]
+
+
+# ---- the pieces ----------------------------------------------------------------------------------------------------
+
+def test_occupancy_follows_the_calculator_rules():
+    h100 = guard_module.SM_MODELS[90]
+    # 128 regs x 32 threads = 4096 per warp: 16 warps fit the 64K register file, so one 16-warp block
+    assert guard_module.occupancy(128, 0, 16, h100) == (1, "regs")
+    # 32 regs, no smem, 4 warps: 16 blocks by registers and 16 by threads (2048 / 128); a tie names registers
+    assert guard_module.occupancy(32, 0, 4, h100) == (16, "regs")
+    # registers round up to 256 per warp: 33 regs -> 1280 per warp -> 51 warps -> 12 blocks of 4 warps
+    assert guard_module.occupancy(33, 0, 4, h100) == (12, "regs")
+    # 100 KB smem + 1 KB reserved per block: 2 blocks in 228 KB, 1 in the A100's 164 KB
+    assert guard_module.occupancy(32, 100 * 1024, 4, h100) == (2, "smem")
+    assert guard_module.occupancy(32, 100 * 1024, 4, guard_module.SM_MODELS[80]) == (1, "smem")
+    # tiny kernels stop at 32 blocks per SM
+    assert guard_module.occupancy(16, 0, 1, h100) == (32, "blocks")
+
+
+def test_ptxas_log_parsing():
+    log = ("ptxas info    : Compiling entry function '_k' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _k\n"
+           "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 128 registers, used 1 barriers, 16 bytes cumulative stack size\n")
+    assert guard_module.parse_ptxas_log(log) == {"registers": 128, "stack": 16, "spill_stores": 8,
+                                                 "spill_loads": 12}
+    with pytest.raises(ValueError, match="log"):
+        guard_module.parse_ptxas_log("ptxas fatal : Unsupported .version")
+
+
+def test_ptx_access_mix():
+    ptx = """
+	@%p3 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd13 + 0 ];
+	ld.global.L1::evict_last.v2.b64 { %rd1, %rd2 }, [ %rd3 + 0 ];
+	ld.global.nc.b32 %r5, [ %rd4 + 0 ];
+	@!%p2 st.global.b16 [ %rd5 + 0 ], { %rs1 };
+	st.global.v4.b32 [ %rd6 + 0 ], { %r1, %r2, %r3, %r4 };
+	cp.async.cg.shared.global [ %r90 + 0 ], [ %rd26 + 0 ], 0x10, %r91;
+	ld.shared.v4.b32 { %r6, %r7, %r8, %r9 }, [ %r10 + 0 ];
+"""
+    assert guard_module.global_access_mix(ptx) == {"ld": {16: 2, 4: 1}, "cp": {16: 1}, "st": {2: 1, 16: 1}}
+
+
+def test_recording_captures_launches_without_running_them():
+    kernel = types.SimpleNamespace()  # not a kernel: running it would raise
+    before = launch_count()
+    q = torch.empty(2, 3, device="meta")
+    with recording() as launches:
+        assert launch(kernel, (4, 2), q, 7, BLOCK=64, num_warps=4) is None
+        with pytest.raises(RuntimeError, match="already recording"):
+            with recording():
+                pass
+    assert launch_count() == before
+    assert len(launches) == 1
+    got = launches[0]
+    assert got.kernel is kernel and got.grid == (4, 2) and got.args == (q, 7)
+    assert got.meta == {"BLOCK": 64, "num_warps": 4}
+
+
+def _fake_kernel(name: str):
+    fn = types.FunctionType((lambda: None).__code__, {}, name)
+    fn.__module__ = "hermes_kernels.fake"
+    return types.SimpleNamespace(fn=fn)
+
+
+def test_coverage_rules(monkeypatch):
+    """A kernel without a spec, a spec that never launches a kernel it names, a spec launching a kernel it does
+    not name, and a driver that raises (a launcher reading device data, here a meta tensor) are all reported; a
+    spec with no case of its type (here an H2SVC spec at a HERMES-style case) is not driven and not reported."""
+    covered, unspecced, named_only, stray, host = (_fake_kernel(n) for n in ("covered", "unspecced", "named",
+                                                                             "stray", "host"))
+
+    def drive(case):
+        launch(covered, (1,))
+        launch(stray, (1,))
+
+    def reads_the_device(case):
+        launch(host, (int(torch.zeros(1, device="meta").sum()),))
+
+    def other_policy(case):
+        raise AssertionError("a spec is driven only at the cases of its type")
+
+    case_type = types.SimpleNamespace
+    specs = [gpu_specs.GpuSpec("fake.spec", (covered, named_only), drive, 0, case_type),
+             gpu_specs.GpuSpec("fake.host", (host,), reads_the_device, 0, case_type),
+             gpu_specs.GpuSpec("fake.h2svc", (named_only,), other_policy, 0, gpu_specs.H2SVCCase)]
+    monkeypatch.setattr(gpu_specs, "registered_specs", lambda: specs)
+    monkeypatch.setattr(gpu_specs, "jit_kernels", lambda: {gpu_specs.kernel_name(k): k
+                                                           for k in (covered, unspecced, named_only, host)})
+    recorded, problems = guard_module.record([types.SimpleNamespace(label="case")])
+    assert [r.kernel for r in recorded] == ["hermes_kernels.fake.covered", "hermes_kernels.fake.stray"]
+    assert problems[:2] == ["fake.spec launches hermes_kernels.fake.stray, which it does not name",
+                            "fake.spec names hermes_kernels.fake.named but never launches it"]
+    assert problems[2].startswith("fake.host at case: the driver raised")
+    assert problems[3:] == ["fake.host names hermes_kernels.fake.host but never launches it",
+                            "hermes_kernels.fake.unspecced has no compile spec (register one with "
+                            "hermes_kernels.gpu_specs.gpu_spec)"]
+
+
+def test_gpu_spec_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="kernels"):
+        gpu_specs.gpu_spec()
+    with pytest.raises(ValueError, match="max_spill_bytes"):
+        gpu_specs.gpu_spec(_fake_kernel("k"), max_spill_bytes=-1)
+    with pytest.raises(ValueError, match="case"):
+        gpu_specs.gpu_spec(_fake_kernel("k"), case=dict)
