@@ -5,7 +5,7 @@ stage (pooled attention for the mixed and global guidance prompts, scoring, sele
 with each backend; for every H2SVC point (shape x chunk x dtype: full per-class frame memories, no budget) the
 H2SVC stages (frame features, STCE, the step of all three class blocks). It measures the peak extra memory of one
 run, and prints a table with the speed-up over `reference`, the achieved GB/s and the ratio to the memory floor
-(DESIGN.md §4; bandwidth measured with a copy in the same run), and one line per shape of cache bytes (H2SVC vs a
+(docs/hermes.md §4; bandwidth measured with a copy in the same run), and one line per shape of cache bytes (H2SVC vs a
 dense 64-frame cache vs HERMES at budget 6000). Rows are appended to bench/results/<device>.csv and the HERMES
 step latencies plotted to bench/results/<device>.png. Then the cache bytes of a 512 s stream at the 7B shapes
 (full vs HERMES vs H2SVC, bench/stream_memory.py) and one end-to-end streaming step of a tiny model, HERMES and

@@ -8,7 +8,8 @@ One step = encode a chunk of frames, prefill it, run the guidance pass, compress
   (unprofiled, depth-order) head map and windows scaled so the episodic memory holds `budget` tokens;
 - baseline: what the released code does, written plainly: a `DynamicCache`, eager attention, three extra
   forwards (local, global, mixed prompts) with `output_attentions=True` whose [L][B, H, Q, N] probabilities are
-  pooled per layer, then `hermes.reference.compress_step` on K/V stacked from the cache and written back.
+  pooled per layer, then the reference `compress_step` (`hermes_kernels.policies.hermes.reference`) on K/V stacked from
+  the cache and written back.
 The baseline keeps one position sequence for all layers (max over layers + 1 for new tokens): its numbers are
 for timing, not for answers. Both models are built from the same seed; the vision tower is shared work.
 """

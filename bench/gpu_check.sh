@@ -30,11 +30,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,
     --format=csv >"$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi unavailable" >"$out/nvidia-smi.txt"
 cat "$out/nvidia-smi.txt"
 
-# 1. Kernel tests on CUDA: the test files that run on tests.conftest.DEVICE (cuda here). The model/stream
+# 1. Kernel tests on CUDA: the test files that run on tests.utils.DEVICE (cuda here). The model/stream
 #    tests run tiny models on CPU and are left to CI.
-mapfile -t cuda_tests < <(grep -l "from tests.conftest import DEVICE" tests/test_*.py)
+mapfile -t cuda_tests < <(grep -rl --include='test_*.py' "from tests.utils import .*DEVICE" tests)
 if [[ ${#cuda_tests[@]} -eq 0 ]]; then
-    echo "gpu_check: no test file imports tests.conftest.DEVICE" >&2
+    echo "gpu_check: no test file imports tests.utils.DEVICE" >&2
     exit 1
 fi
 echo "== CUDA tests: ${cuda_tests[*]}"

@@ -14,9 +14,9 @@
    (`SM_MODELS`), the launch grid at the case and how many waves it makes, and the global load/store mix of the
    PTX by access width (16 B = ld/st.global.v4.b32 or .v2.b64; static instruction counts, not dynamic).
 
-Checks (`--check`, tests/test_compile.py): a compile error, spill stores above the spec's `max_spill_bytes`, shared
-memory above the target's per-block limit, a kernel of the package that no spec launches, or a spec that does not
-launch a kernel it names, each fails.
+Checks (`--check`, tests/hermes_kernels/test_gpu_specs.py): a compile error, spill stores above the spec's
+`max_spill_bytes`, shared memory above the target's per-block limit, a kernel of the package that no spec launches, or a
+spec that does not launch a kernel it names, each fails.
 """
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None,
     seven = [SHAPES["llava-ov-7b"], SHAPES["qwen2.5-vl-7b"]]
     dims = [SHAPES["llava-ov-0.5b"], _with_head_dim(seven[1], 64), _with_head_dim(seven[0], 256),
             _with_head_dim(seven[1], 256)]
-    budgets = sorted(BUDGETS, reverse=True)  # DESIGN.md §4's 6K first: it names the rows of the table
+    budgets = sorted(BUDGETS, reverse=True)  # docs/hermes.md §4's 6K first: it names the rows of the table
     hermes, h2svc = [], []
     for dtype in dtypes or list(_DTYPES):
         hermes += [_case(s, dtype, b, r) for s in seven for b in budgets for r in ("lazy", "eager", "given")]

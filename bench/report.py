@@ -26,7 +26,7 @@ STATUS_WIDTH = 100
 
 @dataclasses.dataclass
 class Row:
-    """One measured point. Times in ms; bytes_moved: least bytes the stage must move (DESIGN.md §4);
+    """One measured point. Times in ms; bytes_moved: least bytes the stage must move (docs/hermes.md §4);
     gbps = bytes_moved / median; floor_ratio = median / (bytes_moved / bandwidth), for stages with a floor.
     budget 0: an H2SVC row (per-class frame memories, no token budget; printed as "-")."""
 

@@ -1,4 +1,4 @@
-"""The one registry of model shapes the benchmarks run at, plus the streaming defaults (DESIGN.md §4).
+"""The one registry of model shapes the benchmarks run at, plus the streaming defaults (docs/hermes.md §4).
 
 A shape is what the compression step sees of a model: layer count, query/KV heads, head dim, RoPE base and
 position limit, and the M-RoPE section for Qwen2.5-VL. Numbers are the models' published configs. Each shape
@@ -32,7 +32,7 @@ class ModelShape:
     max_positions: int
     preset_name: str  # the family's preset in both policies' configs (`HermesConfig.preset`, `H2SVCConfig.preset`)
     mrope_section: tuple[int, int, int] | None = None
-    h2svc_windows: tuple[int, int, int] | None = None  # (W_s, W_w, N_e) frames; None: the seed's 4 / 16 / 64
+    h2svc_windows: tuple[int, int, int] | None = None  # (W_s, W_w, N_e) frames; None: the paper's 4 / 16 / 64
 
     def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Default-RoPE inverse frequencies, float32 [D/2]: theta ** (-2i / D)."""
@@ -67,7 +67,7 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                mrope_section=(16, 24, 24)),
 )}
 
-# Tiny geometry for smoke runs (--quick, bench/test_bench.py); not a real model, so not in SHAPES. Their H2SVC
+# Tiny geometry for smoke runs (--quick, tests/bench/test_bench.py); not a real model, so not in SHAPES. Their H2SVC
 # memories are 2 / 4 / 8 frames, so a re-indexed episodic memory of 196-token frames fits 4096 positions.
 SMOKE_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("smoke-1d", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4,

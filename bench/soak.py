@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rss-tolerance", type=float, default=64.0, help="MiB of RSS growth allowed")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # tiny models are latency-bound; see tests/stream_checks.py
+    torch.set_num_threads(1)  # tiny models are latency-bound; see tests/hermes/streams.py
     families = FAMILIES if args.family == "both" else (args.family,)
     for family in families:
         try:

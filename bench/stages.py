@@ -2,7 +2,7 @@
 
 A stage's setup takes the inputs of one benchmark point (`Spec` -> `Inputs`) and a backend name and returns a
 `Case`: `run()` does the work being measured, `reset()` (in-place stages only) restores the cache outside the
-timed region, and `bytes_moved` is the least traffic the stage needs (DESIGN.md §4), from which GB/s and the
+timed region, and `bytes_moved` is the least traffic the stage needs (docs/hermes.md §4), from which GB/s and the
 ratio to the memory floor follow.
 
 Two policies: the HERMES stages run on `Inputs` (one stacked cache at a token budget), the H2SVC stages
@@ -10,10 +10,10 @@ Two policies: the HERMES stages run on `Inputs` (one stacked cache at a token bu
 `H2SVCInputs` (full per-class frame memories, no budget: their rows carry budget 0). `Spec.policy` says which;
 `make_inputs` builds the right one.
 
-Backends: "reference" is `hermes.reference` / `hermes.h2svc.reference`; "torch" and "triton" are `hermes_kernels`
-with that `backend=`; "torch-ops" (compact, step, h2svc_stce, h2svc_step; CPU) is the torch backend with its C
-code switched off (HERMES_KERNELS_NATIVE=0), i.e. rows moved and STCE's arrivals run by torch ops; "eager"
-(pooled attention only) materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
+Backends: "reference" is `hermes_kernels.policies.hermes.reference` / `hermes_kernels.policies.h2svc.reference`; "torch"
+and "triton" are `hermes_kernels` with that `backend=`; "torch-ops" (compact, step, h2svc_stce, h2svc_step; CPU) is the
+torch backend with its C code switched off (HERMES_KERNELS_NATIVE=0), i.e. rows moved and STCE's arrivals run by torch
+ops; "eager" (pooled attention only) materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
 A backend or stage that is not there yet raises `Unavailable`, which the harness reports as "n/a".
 """
 from __future__ import annotations
@@ -173,7 +173,7 @@ class Inputs:
 
 
 class ClassBlock:
-    """One H2SVC class block as the step finds it (engine interface of issue 9): `held` = W frames in the home
+    """One H2SVC class block as the step finds it (engine interface, docs/h2svc.md §7): `held` = W frames in the home
     slots (full memory) and the chunk's F arrivals at frame slots W .. W+F-1, each with its positions.
 
     keys/values [H_c, B, C, D] (C = P + (W + F)·T_f), positions [H_c, B, C] or [H_c, B, 3, C], slot_frames
@@ -347,7 +347,7 @@ def _cache_bytes(spec: Spec, tokens: int) -> int:
 
 
 def floor_bytes(spec: Spec) -> dict[str, int]:
-    """Least traffic of the compaction and of the whole step (DESIGN.md §4), in bytes.
+    """Least traffic of the compaction and of the whole step (docs/hermes.md §4), in bytes.
 
     Read K, V and positions of all N tokens in all layers, write those of the min(b, V) visual slots that
     end up filled (kept tokens and the summary; the prefix stays where it is); plus keep (compaction) or
@@ -405,7 +405,7 @@ def setup_step(inputs: Inputs, backend: str) -> Case:
 
 
 def h2svc_floor_bytes(inputs: H2SVCInputs) -> dict[str, int]:
-    """Least traffic of the H2SVC stages (the frame_update.py docstring), in bytes.
+    """Least traffic of the H2SVC stages (the policies/h2svc/step.py docstring), in bytes.
 
     features: read the episodic arrivals' values, write their float32 features. step, per class block: without
     re-indexing read and write the movers' K and V rows and positions; with it read and write every retained
@@ -472,7 +472,7 @@ def cache_bytes(shape: ModelShape, dtype: torch.dtype, prefix_len: int = PREFIX_
                 tokens_per_frame: int = TOKENS_PER_FRAME, chunk_frames: int = 16, budget: int = 6000,
                 dense_frames: int = 64) -> dict[str, tuple[int, int]]:
     """K and V bytes of one stream's cache at `shape` for three policies, as (retained memory, with room for one
-    chunk of `chunk_frames` frames): H2SVC with the default ratios and head map (H2SVC.md §5: the token-heads
+    chunk of `chunk_frames` frames): H2SVC with the default ratios and head map (docs/h2svc.md §5: the token-heads
     Σ_c H_c·(P + W_c·T_f)), a dense cache of `dense_frames` frames in every head, and HERMES at `budget` tokens
     per layer."""
     cfg = shape.h2svc_config(prefix_len, tokens_per_frame)

@@ -5,8 +5,8 @@ python -m bench.stream_cost mem    # peak tensor bytes: our guidance pass vs eag
 
 `time` feeds the same chunks to two streams, one with the guidance pass on its own after the prefill
 (`fused_guidance=False`) and one with the prompts fused into the chunk's prefill (the default); their caches
-stay byte-identical (tests/test_stream_fused.py), so both pay for the same work. Before each chunk the fused
-stream also runs the chunk's prefill alone (vision + LM forward, then truncated back): the reference the
+stay byte-identical (tests/hermes/policies/hermes/test_guidance.py), so both pay for the same work. Before each chunk
+the fused stream also runs the chunk's prefill alone (vision + LM forward, then truncated back): the reference the
 ratios divide by. Splits come from timers around the stream's own stages (encoder, guidance, compression).
 """
 import statistics
@@ -22,7 +22,7 @@ from hermes.stream import HermesStream
 from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 from hermes.attention import attention_implementation
 
-TARGET = 1.3  # issue 11: fused guidance + compression within 1.3x the chunk's prefill alone
+TARGET = 1.3  # fused guidance + compression within 1.3x the chunk's prefill alone
 
 
 def chunker(name, g, frames):
@@ -171,7 +171,7 @@ def memory(name="llava_ov", budget=3000, frames=16):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1:] == ["time"]:
-        # issue 4's chunks (32 tokens: the guidance prompts, 42 + 20 tokens, outnumber the chunk two to one) ...
+        # 32-token chunks (the guidance prompts, 42 + 20 tokens, outnumber the chunk two to one) ...
         for name, frames in (("llava_ov", 2), ("qwen2_5_vl", 4)):
             for budget in (200, 1000):
                 time_split(name, budget, frames)

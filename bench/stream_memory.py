@@ -12,7 +12,7 @@ has half the frames and its H2SVC windows span twice the time. P = 14 prefix tok
     h2svc    Σ_c H_c·(P + W_c·T_f)                  retained: default ratios, map and windows 4 / 16 / 64 frames
   allocated (what the caches reserve, flat for any stream length), with a 16-video-frame chunk and room 512:
     hermes   L·Hkv·(P + b + chunk + room)
-    h2svc    Σ_c H_c·capacity_c, capacity_c = P + (W_c + F_max)·T_f + room     (`hermes.h2svc.cache`)
+    h2svc    Σ_c H_c·capacity_c, capacity_c = P + (W_c + F_max)·T_f + room     (`hermes.policies.h2svc.cache`)
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Timing of one `Case`, and the copy bandwidth that sets the memory floor (DESIGN.md §4).
+"""Timing of one `Case`, and the copy bandwidth that sets the memory floor (docs/hermes.md §4).
 
 Before every timed run: the untimed reset (in-place stages), then a write over a buffer larger than the last-level
 cache, so no run finds its inputs cache-resident from the previous one (a streaming step follows a model forward

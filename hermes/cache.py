@@ -253,7 +253,7 @@ class StreamCacheBase(Cache):
             on every axis. Later forwards (decode steps) are text after the largest position.
         read_only:     attend over the cache plus the incoming tokens without keeping any (length unchanged).
         keep:          keep only the first `keep` incoming tokens of each forward (a chunk carrying read-only
-                       guidance prompts, DESIGN.md §4); default all.
+                       guidance prompts, docs/hermes.md §4); default all.
         left_padding:  int64 [B]: padding tokens at the start of the FIRST forward, per stream (a question batch
                        of uneven lengths); those slots stay hidden from every query in the context.
         """

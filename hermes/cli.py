@@ -186,8 +186,8 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     fps:           frames sampled per second of video, by timestamp (`hermes.video`).
     chunk_frames:  frames per chunk (the cache is sized for one chunk; fewer frames in all is a ValueError).
     budget:        visual tokens kept per layer (HERMES).
-    policy:        "hermes" or "h2svc" (H2SVC.md); head_map: an H2SVC head map file (`python -m
-                   hermes.h2svc.profile`; None: the unprofiled default map, with a warning).
+    policy:        "hermes" or "h2svc" (docs/h2svc.md); head_map: an H2SVC head map file (`python -m
+                   hermes.policies.h2svc.profile`; None: the unprofiled default map, with a warning).
     device, dtype: used when `model` is a path (default: cuda if available; bfloat16 on cuda, float32 on cpu).
     progress:      a tqdm bar on stderr with each chunk's latency and the cache size.
 
@@ -322,8 +322,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="hermes",
                    help="KV-cache policy: hermes (default) or h2svc (per-head frame memories)")
     p.add_argument("--head-map", metavar="PATH", default=None,
-                   help="--policy h2svc: head map from python -m hermes.h2svc.profile (checked against the model); "
-                        "default: the unprofiled depth-order map, with a warning")
+                   help="--policy h2svc: head map from python -m hermes.policies.h2svc.profile (checked against "
+                        "the model); default: the unprofiled depth-order map, with a warning")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")

@@ -1,11 +1,11 @@
-/* Stage 4 on CPU: the row work of the in-place compaction (DESIGN.md §2.6-2.8) in one pass over the cache.
+/* Stage 4 on CPU: the row work of the in-place compaction (docs/hermes.md §2.6-2.8) in one pass over the cache.
  *
- * Called by hermes_kernels/compact.py (`compact_torch` on CPU tensors) after it has planned everything small in
- * torch: each kept token's source slot and rotation-table rows, the deep layers' pruned slots and their table
- * rows. This file only moves rows. Worker t of T takes the (layer, stream, KV head) rows t, t + T, ... and walks
- * each row's tokens left to right, writing kept token i's key, rotated by its delta, and its value to slot P + i.
- * In place is sound because slot P + i never lies right of its source P + keep[i] (keep ascending): every slot
- * left of the source being read has already been read. Deep rows merge their pruned slots into the same walk:
+ * Called by hermes_kernels/rows.py (`move_rows_native`: HERMES's `compact_torch` and H2SVC's step on CPU tensors)
+ * after the caller has planned everything small in torch: each kept token's source slot and rotation-table rows, the
+ * deep layers' pruned slots and their table rows. This file only moves rows. Worker t of T takes the (layer, stream,
+ * KV head) rows t, t + T, ... and walks each row's tokens left to right, writing kept token i's key, rotated by its
+ * delta, and its value to slot P + i. In place is sound because slot P + i never lies right of its source
+ * P + keep[i] (keep ascending): every slot left of the source being read has already been read. Deep rows merge their pruned slots into the same walk:
  * values summed, keys rotated to the summary target and summed (double accumulators; the caller divides and
  * writes the summary slot). Every cached row is read at most once and every kept row written once.
  *
@@ -15,8 +15,8 @@
  * bytes.
  * Rotation (rotate-half, §2.8): pair q couples channels q and q + D/2 and turns by the angle of its M-RoPE axis
  * (1D RoPE: one axis). cos/sin come from a table [R, D/2] that the caller computed with torch from the integer
- * deltas, so every angle is fp32(delta)·inv_freq exactly as in `hermes.rope`. Products and sums each round once
- * (built with -ffp-contract=off), as in the torch ops of the reference.
+ * deltas, so every angle is fp32(delta)·inv_freq exactly as in `hermes_kernels.rope`. Products and sums each round
+ * once (built with -ffp-contract=off), as in the torch ops of the reference.
  */
 #include <pthread.h>
 #include <stddef.h>
@@ -265,8 +265,8 @@ int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const
     return run_workers(worker, (char *)jobs, sizeof jobs[0], threads) ? 2 : 0;
 }
 
-/* Dense ranks by counting, for the position re-index of both policies' planning (`_dense_rank_counting` in
- * compact.py, and H2SVC's `hermes_frame_reindex` below). Row r of values [rows, n]: rank[i] = the number of distinct
+/* Dense ranks by counting, for the position re-index of both policies' planning (`dense_rank_counting` in
+ * rows.py, and H2SVC's `hermes_frame_reindex` below). Row r of values [rows, n]: rank[i] = the number of distinct
  * valid values of the row below values[i] (0-based dense rank); an invalid lane (valid[i] == 0; valid NULL: all
  * valid) gets the row's distinct count, past every valid rank. Per row: min/max of the valid values, a presence
  * table over that span, an exclusive prefix count, one lookup per lane: linear in n + span. A row whose span exceeds
@@ -353,7 +353,7 @@ int hermes_dense_rank(const int64_t *values, const uint8_t *valid, int64_t rows,
     return worst_status((const char *)jobs, sizeof jobs[0], offsetof(rank_job_t, failed), threads);
 }
 
-/* H2SVC's re-index of one class block (frame_update.py, step 4; `_reindex_native` there), in one pass per
+/* H2SVC's re-index of one class block (policies/h2svc/step.py, step 4; `_reindex_native` there), in one pass per
  * (row, stream) and no temporaries in torch. positions [rows, B, A, C] (int64, element strides pstride), source
  * [rows, B, held] (int64, contiguous): the frame slot each home slot takes its frame from. For the n = held·T
  * retained tokens of a (row, stream), token i = (home slot h, offset t) reads its old coordinate on axis a from

@@ -1,11 +1,12 @@
 """Compile specifications of the Triton kernels, for the GPU compile guard (`python -m bench.kernels`,
-tests/test_compile.py), which builds every kernel for sm_80 and sm_90 without a GPU.
+tests/hermes_kernels/test_gpu_specs.py), which builds every kernel for sm_80 and sm_90 without a GPU.
 
-A spec lives beside its kernels (or beside the launcher that chains them: the H2SVC step's spec, in frame_update.py,
-also covers the feature and STCE kernels the step launches): it names the kernels it covers, the spill bound the
-guard enforces on them, and a driver that calls the module's own launcher for one case: a `SpecCase` (the tensors
-one HERMES streaming compression step hands the kernels at one model shape and cache dtype) or an `H2SVCCase` (the
-class blocks one H2SVC step updates). A driver is driven at every case of the type it is registered for:
+A spec lives beside its kernels (or beside the launcher that chains them: the H2SVC step's spec, in
+policies/h2svc/step.py, also covers the feature and STCE kernels the step launches): it names the kernels it covers, the
+spill bound the guard enforces on them, and a driver that calls the module's own launcher for one case: a `SpecCase`
+(the tensors one HERMES streaming compression step hands the kernels at one model shape and cache dtype) or an
+`H2SVCCase` (the class blocks one H2SVC step updates). A driver is driven at every case of the type it is registered
+for:
 
     @gpu_spec(_my_kernel, max_spill_bytes=0)
     def _my_gpu_spec(case: SpecCase) -> None:
@@ -48,8 +49,8 @@ def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 class SpecCase:
     """One compression step the launchers are driven at: model geometry, cache dtype, budget and chunk.
 
-    The tensors are laid out as `hermes.cache.HermesCache` and `hermes.stream` hand them to the kernels: K/V and
-    positions are views `[..., :N]` of buffers with `capacity` slots, the pooled attention a view of the cache's
+    The tensors are laid out as `hermes.policies.hermes.cache.HermesCache` and `hermes.stream` hand them to the kernels:
+    K/V and positions are views `[..., :N]` of buffers with `capacity` slots, the pooled attention a view of the cache's
     `guidance_attn` [L, B, capacity], the guidance queries a head-transposed view of a [B, Q, H, D] projection.
     reindex: "eager" / "lazy" (the config's trigger, decided on the device) or "given" (a caller-made flag, as
     `compress_stacks` passes for a cache split over devices).
@@ -135,8 +136,8 @@ class H2SVCCase:
     with a full memory (held = W frames in the home slots) and a just-prefilled chunk of F frames behind it, in one
     cache dtype, re-indexing on or off (the caller's decision for the step).
 
-    Blocks are laid out as the engine interface of issue 9 and bench/stages.py's `ClassBlock` lay them out: keys /
-    values [H_c, B, C, D] with C = P + (W + F)·T_f, positions int64 [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE),
+    Blocks are laid out as the engine interface, docs/h2svc.md §7 and bench/stages.py's `ClassBlock` lay them out: keys
+    / values [H_c, B, C, D] with C = P + (W + F)·T_f, positions int64 [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE),
     slot_frames int64 [H_c, B, W], features float32 [H_c, B, W, D] (EPISODIC only). The stream has seen 2·N_e
     frames before the chunk, and a re-indexing step aligns to next_position = P + (largest window)·T_f, as the
     benchmark's step does.

@@ -3,7 +3,7 @@ on first use, once per process, and loaded with ctypes.
 
 Why C: on CPU the compaction is a row move (read each kept row, rotate keys, write it to its slot). Any
 formulation in torch ops stages the rows through a gather buffer and then writes them out again, and that alone
-costs about twice a single pass (see `compact.py`); a plain loop over rows moves every row once, in place. The C
+costs about twice a single pass (see `rows.py`); a plain loop over rows moves every row once, in place. The C
 code takes no torch headers: tensors go in as data pointers and element strides, so a build takes well under a
 second and needs only a C compiler (`$CC`, else `cc`), as Triton's own launcher stubs do.
 

@@ -1,4 +1,4 @@
-"""Rotary positions: delta rotations (1D and M-RoPE) and the left-compaction of positions (DESIGN.md §2.7–2.8).
+"""Rotary positions: delta rotations (1D and M-RoPE) and the left-compaction of positions (docs/hermes.md §2.7–2.8).
 
 Convention: rotate-half, as transformers' `apply_rotary_pos_emb`: frequency pair i couples channels i and
 i + D/2, and a rotation by angle θ_i maps (x_i, x_{i+D/2}) to

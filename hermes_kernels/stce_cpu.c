@@ -1,4 +1,4 @@
-/* H2SVC stage (b) on CPU: the sequential part of STCE (H2SVC.md §3) for every row in one call.
+/* H2SVC stage (b) on CPU: the sequential part of STCE (docs/h2svc.md §3) for every row in one call.
  *
  * Called by hermes_kernels/stce.py (`stce_select_torch` on CPU tensors) after the shared torch set-up
  * (`_trajectory`): per row, the frame index of each of its M = W + F lanes (held frames in temporal order, -1 past

@@ -20,7 +20,7 @@ class VideoChunk:
     embeds:        [B, T, hidden] language-model input embeddings (the model's dtype and device).
     rel_positions: int64 [3, T] M-RoPE offsets (t, h, w) from the chunk's start position, or None for 1D
                    RoPE (0, 1, ..., T-1).
-    frames:        H2SVC frames in the chunk (the unit of memory, H2SVC.md §1): LLaVA-OV video frames,
+    frames:        H2SVC frames in the chunk (the unit of memory, docs/h2svc.md §1): LLaVA-OV video frames,
                    Qwen2.5-VL temporal grid steps; the T tokens are `frames` runs of T / frames tokens.
     extent:        the largest offset of `rel_positions` over axes and tokens (T - 1 for 1D RoPE), a host int: the
                    chunk's next position is start + extent + 1, known without reading a device tensor.
@@ -72,7 +72,7 @@ class ModelFamily:
         raise NotImplementedError
 
     def memory_frames(self, inputs: dict) -> int:
-        """H2SVC frames (the unit of memory, H2SVC.md §1) in one chunk's `prepare_frames` output: LLaVA-OV one per
+        """H2SVC frames (the unit of memory, docs/h2svc.md §1) in one chunk's `prepare_frames` output: LLaVA-OV one per
         video frame; Qwen2.5-VL one per temporal grid step (temporal_patch_size video frames)."""
         raise NotImplementedError
 

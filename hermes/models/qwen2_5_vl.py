@@ -1,4 +1,4 @@
-"""Qwen2.5-VL (M-RoPE: every position is a (t, h, w) triple, DESIGN.md §2.7).
+"""Qwen2.5-VL (M-RoPE: every position is a (t, h, w) triple, docs/hermes.md §2.7).
 
 A chunk of F frames becomes a grid of (F / temporal_patch_size) x (H / patch) x (W / patch) patches, merged
 2x2 by the vision tower into grid_t x (H / patch / merge) x (W / patch / merge) tokens, ordered t-major.

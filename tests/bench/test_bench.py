@@ -1,7 +1,7 @@
 """Smoke benchmarks of every stage x backend (pytest-benchmark) and checks of the harness itself.
 
-    pytest bench/test_bench.py --benchmark-autosave          # save a run
-    pytest bench/test_bench.py --benchmark-compare           # compare with the last saved one
+    pytest tests/bench/test_bench.py --benchmark-autosave          # save a run
+    pytest tests/bench/test_bench.py --benchmark-compare           # compare with the last saved one
 
 Sizes are tiny (seconds in total): these cases keep the harness and every backend's entry points runnable,
 they are not the numbers to quote (those come from `python -m bench`). Triton is timed only on CUDA: on CPU
@@ -86,7 +86,7 @@ def test_distinct_values_have_no_ties_and_no_zeros():
 
 
 def test_floor_bytes_match_design_section_4():
-    """DESIGN.md §4 at LLaVA-OV-7B fp16, 6K, 16 frames: read ~0.52 GB of K/V, write ~0.34 GB."""
+    """docs/hermes.md §4 at LLaVA-OV-7B fp16, 6K, 16 frames: read ~0.52 GB of K/V, write ~0.34 GB."""
     spec = Spec(shape=SHAPES["llava-ov-7b"], budget=6000, chunk_frames=16, dtype=torch.float16,
                 device=torch.device("cpu"))
     kv_read = 2 * 28 * 4 * 9150 * 128 * 2
@@ -99,7 +99,7 @@ def test_floor_bytes_match_design_section_4():
 
 
 def test_h2svc_cache_bytes_at_llava_ov_7b():
-    """H2SVC.md §5: with the default ratios the three memories hold 0.1·4 + 0.4·16 + 0.5·64 = 38.8 of 64 frames'
+    """docs/h2svc.md §5: with the default ratios the three memories hold 0.1·4 + 0.4·16 + 0.5·64 = 38.8 of 64 frames'
     worth of heads (11 / 45 / 56 of 112 heads at LLaVA-OV-7B); fp16 K and V of D = 128 take 512 bytes a token."""
     sizes = cache_bytes(SHAPES["llava-ov-7b"], torch.float16, prefix_len=14, tokens_per_frame=196, chunk_frames=16,
                         budget=6000, dense_frames=64)

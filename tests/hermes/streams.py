@@ -136,7 +136,7 @@ def make_stream(case: Case, model, **kwargs) -> HermesStream:
 def full_positions(case: Case, prefix_len: int, rels: list, lengths: list[int], question_len: int,
                    batch: int) -> torch.Tensor:
     """Positions of prefix + chunks + question as one sequence: every segment starts at the largest
-    position so far + 1 (DESIGN.md §2.7); [B, S] or [3, B, S]."""
+    position so far + 1 (docs/hermes.md §2.7); [B, S] or [3, B, S]."""
     pieces = [torch.arange(prefix_len).expand(3, -1)]
     for rel, length in zip(rels, lengths):
         start = int(pieces[-1].max()) + 1

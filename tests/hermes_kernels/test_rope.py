@@ -1,4 +1,4 @@
-"""hermes.rope: delta rotations agree with transformers' own RoPE and compose; compaction ranks per axis."""
+"""hermes_kernels.rope: delta rotations agree with transformers' own RoPE and compose; compaction ranks per axis."""
 import pytest
 import torch
 from transformers.models.qwen2 import modeling_qwen2

@@ -1,4 +1,4 @@
-"""H2SVC attention of one layer: one dense call per non-empty class over that class's block (H2SVC.md §3, §5).
+"""H2SVC attention of one layer: one dense call per non-empty class over that class's block (docs/h2svc.md §3, §5).
 
 The registered "hermes" attention function (`hermes.attention`) stays the one entry: when the keys it is handed
 come from an `H2SVCCache` it calls `cache.attend`, which lands here. For layer l and every class c with heads in

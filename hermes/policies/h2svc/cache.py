@@ -1,4 +1,4 @@
-"""The H2SVC KV cache: one stacked key and one value buffer per class and device (H2SVC.md §4–5).
+"""The H2SVC KV cache: one stacked key and one value buffer per class and device (docs/h2svc.md §4–5).
 
 Layout. The rows of class c (its (layer, KV head) pairs, `cfg.class_rows(c)` order) live in buffers
 `[H_c, B, capacity_c, D]`; a model split over devices gets one block per class and run of consecutive layers on
@@ -17,12 +17,12 @@ awaiting its step) + text (a question and its answer, the same count in every cl
 the answer). transformers sees one sequence whose length is the largest class's (`length`, a virtual slot count
 the model's default positions run on); `room()` is what still fits in every class.
 
-Positions (H2SVC.md §4). Incoming tokens get one position per token, shared by all heads of all layers: a chunk
+Positions (docs/h2svc.md §4). Incoming tokens get one position per token, shared by all heads of all layers: a chunk
 starts at the stream's next position R (a host int: the largest position so far + 1, or the right-aligned end
 after a re-index) plus the family's offsets; text after the video continues from R, then from its own largest
 position. The model runs at the default positions `length + i`; `update` rotates the incoming keys by
 (true − default) before storing them and the attention function rotates the queries the same way
-(`incoming_delta`), as HERMES does (DESIGN.md §2.8).
+(`incoming_delta`), as HERMES does (docs/hermes.md §2.8).
 
 The step (`step`, after a chunk's prefill): `hk.h2svc_step` on every class block (all its rows in one call), with
 held / num_frames / first_frame from the host counters, reindex = `cfg.needs_reindex(largest position)` and
@@ -364,7 +364,7 @@ class H2SVCCache(StreamCacheBase):
         return forward
 
     def _incoming_positions(self, count: int, rel: torch.Tensor | None) -> torch.Tensor:
-        """True positions int64 [B, T] ([B, 3, T] M-RoPE) of the incoming tokens (H2SVC.md §4): from R for a chunk,
+        """True positions int64 [B, T] ([B, 3, T] M-RoPE) of the incoming tokens (docs/h2svc.md §4): from R for a chunk,
         the prefix or the first text after the video; after stored text, from its largest position + 1."""
         device = self._home_device
         B = self._batch_size
@@ -421,7 +421,7 @@ class H2SVCCache(StreamCacheBase):
 
     def incoming_delta(self, layer: int) -> torch.Tensor:
         """int64 [B, T] (or [B, 3, T]) rotation of the running forward's tokens: true − default, the same in every
-        layer (H2SVC.md §4), on `layer`'s device."""
+        layer (docs/h2svc.md §4), on `layer`'s device."""
         return self.current_forward.delta[self.layer_device(layer)]
 
     def layer_device(self, layer: int) -> torch.device:
@@ -472,7 +472,7 @@ class H2SVCCache(StreamCacheBase):
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self, backend: str = "auto") -> H2SVCChunkResult:
-        """One H2SVC step after a chunk's prefill (H2SVC.md §3–4), every class block in place: FIFO / STCE keep
+        """One H2SVC step after a chunk's prefill (docs/h2svc.md §3–4), every class block in place: FIFO / STCE keep
         sets, the slot plan, and the right-aligned re-index when `cfg.needs_reindex` says so (module docstring).
 
         Every block is checked before the first one is written (ValueError/TypeError, cache untouched); an

@@ -1,7 +1,7 @@
-"""The H2SVC head map on disk: what the offline profiler (H2SVC.md §2, `hermes.h2svc.profile`) found, checked
-against the model it is loaded for.
+"""The H2SVC head map on disk: what the offline profiler (docs/h2svc.md §2, `hermes.policies.h2svc.profile`) found,
+checked against the model it is loaded for.
 
-    profile = profile_heads(model, processor, ["a.mp4", "b.mp4"])     # hermes.h2svc.profile
+    profile = profile_heads(model, processor, ["a.mp4", "b.mp4"])     # hermes.policies.h2svc.profile
     save_head_map(profile, "map.json")
     loaded = load_head_map("map.json", model)                          # ValueError if it does not fit `model`
     H2SVCConfig.llava_ov(L, Hkv, prefix_len, head_map=loaded.head_map)
@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 
 @dataclasses.dataclass
 class HeadProfile:
-    """The result of profiling one model's heads (H2SVC.md §2), as `profile_heads` returns and the map file holds.
+    """The result of profiling one model's heads (docs/h2svc.md §2), as `profile_heads` returns and the map file holds.
 
     model_name:    the checkpoint's `name_or_path` ("" for a model built in memory).
     model_type:    `config.model_type` (llava_onevision, qwen2_5_vl).
@@ -165,7 +165,7 @@ def check_head_map(profile: HeadProfile, model, source: str = "head map") -> Non
         raise ValueError(f"{source}: profiled for another model: {'; '.join(differences)} (map vs model). The map "
                          f"was made for {profile.model_type} with {profile.num_layers} layers x "
                          f"{profile.num_kv_heads} KV heads ({profile.model_name or 'unnamed'}); profile this model "
-                         f"with python -m hermes.h2svc.profile")
+                         f"with python -m hermes.policies.h2svc.profile")
     base = os.path.basename(os.path.normpath(name)) if name else ""
     profiled = os.path.basename(os.path.normpath(profile.model_name)) if profile.model_name else ""
     if base and profiled and base != profiled:

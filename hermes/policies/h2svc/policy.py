@@ -4,9 +4,9 @@
     stream.append_video(chunk)          # prefill with frame-window masks, then one H2SVC step (every class block)
     stream.ask("What is the person holding?")
 
-`H2SVCPolicy` is the entry of `hermes.stream.POLICIES` for "h2svc": it builds the `H2SVCConfig` (the family's
-preset, a head map, window / ratio / re-index overrides), the `H2SVCCache` sized for the stream's chunks and room,
-and what follows a chunk: its prefill as a chunk of frames, then `cache.step`. Everything else (encoding, room
+`H2SVCPolicy` is the entry of the policy registry (`hermes.policy`) for "h2svc": it builds the `H2SVCConfig` (the
+family's preset, a head map, window / ratio / re-index overrides), the `H2SVCCache` sized for the stream's chunks and
+room, and what follows a chunk: its prefill as a chunk of frames, then `cache.step`. Everything else (encoding, room
 checks, atomicity, questions, threads) is the front's, shared with HERMES.
 """
 from __future__ import annotations
@@ -30,13 +30,13 @@ class H2SVCPolicy(StreamPolicy):
 
     Args (HermesStream keyword arguments):
         head_map:         which class every (layer, KV head) belongs to:
-                          - a path to a profiler JSON (`python -m hermes.h2svc.profile`), checked against the model
-                            (`load_head_map`: another model type or shape is refused);
+                          - a path to a profiler JSON (`python -m hermes.policies.h2svc.profile`), checked against
+                            the model (`load_head_map`: another model type or shape is refused);
                           - a `HeadProfile` (checked the same way);
                           - an int [L, Hkv] map (tensor or nested lists) of INSTANT / SHORT / EPISODIC;
                           - an `H2SVCConfig` for the whole policy (then no other policy argument; its layers, KV
                             heads, prefix_len and tokens_per_frame must match the model and the stream);
-                          - None: the documented default map (`default_head_map`: depth order with the seed's ratios),
+                          - None: the documented default map (`default_head_map`: depth order with the paper's ratios),
                             with a warning that it is not profiled.
         tokens_per_frame: T_f; default from the family (LLaVA-OV: the tower's pooled grid; Qwen2.5-VL: from the
                           stream's frame_size, one temporal grid step).
@@ -73,7 +73,7 @@ class H2SVCPolicy(StreamPolicy):
         if not config.profiled:
             warnings.warn("head_map: not profiled; using the default map (seed's ratios by layer depth: the lowest "
                           "heads instant, then short, the top episodic). Profile the model with python -m "
-                          "hermes.h2svc.profile and pass head_map=PATH", stacklevel=3)
+                          "hermes.policies.h2svc.profile and pass head_map=PATH", stacklevel=3)
         chunk_frames = stream.chunk_tokens // config.tokens_per_frame
         if chunk_frames < 1:
             raise ValueError(f"chunk_tokens: {stream.chunk_tokens} tokens hold no whole frame of "
@@ -95,8 +95,8 @@ class H2SVCPolicy(StreamPolicy):
         return head_map
 
     def append_chunk(self, stream, chunk: VideoChunk) -> H2SVCChunkResult:
-        """Prefill `chunk` as a chunk of frames (frame-window masks, `hermes.h2svc.attention`), then one step over
-        every class block. ValueError before any forward when its frames are not of the configured size."""
+        """Prefill `chunk` as a chunk of frames (frame-window masks, `hermes.policies.h2svc.attention`), then one step
+        over every class block. ValueError before any forward when its frames are not of the configured size."""
         count, T_f = chunk.embeds.shape[1], self.cfg.tokens_per_frame
         if count != chunk.frames * T_f:
             raise ValueError(f"video: the chunk has {count} tokens in {chunk.frames} frames; the H2SVC cache was built "

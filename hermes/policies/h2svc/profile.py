@@ -1,4 +1,4 @@
-"""Offline routing of H2SVC heads (H2SVC.md §2, spatio-temporal attention profiling) and its command.
+"""Offline routing of H2SVC heads (docs/h2svc.md §2, spatio-temporal attention profiling) and its command.
 
     from hermes.cli import load_model
     from hermes.policies.h2svc.head_map import save_head_map
@@ -6,9 +6,9 @@
 
     loaded = load_model("./llava-onevision-qwen2-7b-ov-hf")
     profile = profile_heads(loaded.model, loaded.processor, ["a.mp4", "b.mp4"], fps=1, chunk_frames=16)
-    save_head_map(profile, "map.json")          # hermes.h2svc.head_map: the file and its checks
+    save_head_map(profile, "map.json")          # hermes.policies.h2svc.head_map: the file and its checks
 
-    python -m hermes.h2svc.profile --model PATH --videos a.mp4 b.mp4 --out map.json
+    python -m hermes.policies.h2svc.profile --model PATH --videos a.mp4 b.mp4 --out map.json
 
 A clip runs as the stream lays it out, with a full cache (nothing evicted): the system prefix
 (`family.prefix_text`), the sampled frames chunk by chunk (`hermes.video` samples by timestamp,
@@ -24,7 +24,7 @@ blocks of query rows; each block's probabilities are reduced at once to the TAD 
 attention holds one [H, block, S] block at a time (plus temporaries of its size), never an [H, S, S] map, let
 alone one per layer. The block has as many rows as fit BLOCK_BYTES of float32 probabilities (or query_block).
 
-Reduction (an exact rearrangement of H2SVC.md §2). A[q, F_j] = Σ_{k ∈ F_j} p[q, k], the float32 probabilities
+Reduction (an exact rearrangement of docs/h2svc.md §2). A[q, F_j] = Σ_{k ∈ F_j} p[q, k], the float32 probabilities
 summed in float64. All n frames of a clip have the same T_f tokens, each a query exactly once (in its chunk), so
 
     TAD_V2V = (1/n) Σ_i mean_{q ∈ F_i} Σ_{j ≤ i} (i − j)·A[q, F_j]
@@ -33,8 +33,8 @@ summed in float64. All n frames of a clip have the same T_f tokens, each a query
 
 are running sums per (layer, query head) (frames j > i_q carry no mass anyway: causality). TAD is linear in A, so
 averaging the query heads of a KV group afterwards equals the reference's averaging of their probabilities
-(`hermes.h2svc.reference.tad_v2v` / `tad_t2v`, which the tests compare against on full attention maps). Clips
-are averaged (mean over videos), then `head_scores` and `classify_heads` give S(h) and the map.
+(`hermes_kernels.policies.h2svc.reference.tad_v2v` / `tad_t2v`, which the tests compare against on full attention maps).
+Clips are averaged (mean over videos), then `head_scores` and `classify_heads` give S(h) and the map.
 
 Text queries of T2V (ours): every token of the family's question segment `question_text(question)` (the question
 words and the chat markers that close the user turn and open the answer; the last one predicts the first answer
@@ -271,7 +271,7 @@ def check_inputs(videos, *, fps, chunk_frames, questions, instant_ratio, short_r
 
 class _Positions:
     """Positions of one clip as the stream lays them out: every segment starts at the largest position so far + 1
-    (DESIGN.md §2.7); a video chunk adds the family's relative offsets, text counts 0, 1, … on every axis."""
+    (docs/hermes.md §2.7); a video chunk adds the family's relative offsets, text counts 0, 1, … on every axis."""
 
     def __init__(self, mrope: bool):
         self.mrope = mrope
@@ -369,7 +369,7 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
                   system_prompt: str | None = None, query_block: int | None = None,
                   progress: bool = True) -> HeadProfile:
     """Profile the heads of a loaded LLaVA-OneVision or Qwen2.5-VL model on sample clips and route them
-    (H2SVC.md §2; the clip layout, the streamed reduction and the text queries are in the module docstring).
+    (docs/h2svc.md §2; the clip layout, the streamed reduction and the text queries are in the module docstring).
 
     model, processor: as for HermesStream (`hermes.cli.load_model` gives both); the model in eval mode.
     videos:        video files (decoded with PyAV, sampled at `fps` by timestamp) and/or frames already sampled,
@@ -377,7 +377,7 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
     fps:           frames sampled per second of video (also Qwen2.5-VL's seconds per temporal grid step).
     chunk_frames:  frames per forward, as the stream's chunks (the last chunk of a clip may be shorter).
     questions:     asked, each alone, after every clip (T2V's text queries); default DEFAULT_QUESTIONS.
-    instant_ratio, short_ratio: class shares for `classify_heads` (H2SVC.md §2; episodic gets the rest).
+    instant_ratio, short_ratio: class shares for `classify_heads` (docs/h2svc.md §2; episodic gets the rest).
     max_frames:    at most this many sampled frames per clip (None: the whole clip).
     answer_tokens: greedy answer tokens fed back as further text queries (0: the question tokens only).
     system_prompt: text of the prefix's system turn (default: the family's, as the stream).
@@ -449,15 +449,15 @@ def parser() -> argparse.ArgumentParser:
         return textwrap.fill(text, width=100)
 
     p = argparse.ArgumentParser(
-        prog="python -m hermes.h2svc.profile",
+        prog="python -m hermes.policies.h2svc.profile",
         description=wrap("Profile the attention heads of a LLaVA-OneVision or Qwen2.5-VL checkpoint on sample "
-                         "videos (eager attention, H2SVC.md §2) and write the H2SVC head map: every (layer, KV "
+                         "videos (eager attention, docs/h2svc.md §2) and write the H2SVC head map: every (layer, KV "
                          "head) routed to the instant, short or episodic memory."),
         epilog="\n\n".join([
             wrap("Output: the JSON head map at --out (model name and type, layers, KV heads, ratios, the class of "
                  "every head, TAD_V2V / TAD_T2V / S per head, the clips used); a summary on stdout; progress on "
                  "stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command line."),
-            "Example:\n  python -m hermes.h2svc.profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
+            "Example:\n  python -m hermes.policies.h2svc.profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
             "      --videos clips/*.mp4 --max-frames 64 --out llava-ov-7b.h2svc.json"]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="PATH",

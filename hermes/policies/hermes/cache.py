@@ -98,7 +98,8 @@ class HermesCache(StreamCacheBase):
         # pooled guidance attention of the running step, written by the attention function (§2.3)
         self.guidance_attn = torch.zeros(cfg.num_layers, batch_size, capacity, dtype=torch.float32,
                                          device=self._stacks[0].device)
-        # a hermes.attention.GuidanceState while `hermes.guidance` runs a guidance pass, else None
+        # a hermes.policies.hermes.attention.GuidanceState while `hermes.policies.hermes.guidance` runs a guidance pass,
+        # else None
         self.guidance = None
         self._length = 0
 
@@ -254,7 +255,7 @@ class HermesCache(StreamCacheBase):
     # ---- compression ------------------------------------------------------------------------------------
     def compress(self, attn: torch.Tensor, backend: str = "auto") -> CompressResult:
         """One HERMES step over the valid slots of every stack, in place (`hermes_kernels.compress_stacks`,
-        DESIGN.md §2; one stack takes the same fused path as `compress_step`).
+        docs/hermes.md §2; one stack takes the same fused path as `compress_step`).
 
         attn: float32 [L, B, V], V = length - prefix_len, pooled guidance attention (e.g. `guidance_attn`), on any
         device. Afterwards the length is prefix_len + min(budget, V) in every layer.

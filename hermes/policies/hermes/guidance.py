@@ -1,4 +1,4 @@
-"""Guidance prompts and the guidance pass that feeds HERMES's attention score (DESIGN.md §2.3, paper app. B).
+"""Guidance prompts and the guidance pass that feeds HERMES's attention score (docs/hermes.md §2.3, paper app. B).
 
 Which prompt a layer reads follows its role: shallow layers the local prompt, mid layers the mixed prompt
 (local + "; " + global), deep layers the global prompt. A layer whose recency weight ω_l is 1 never reads
@@ -12,7 +12,7 @@ Nothing of them stays in the cache; every prompt gets the positions right after 
 A layer computes only the rows of prompts that some deeper layer scores (the others are zeros nobody reads:
 `GuidanceState.read_rows`), so a prompt costs attention up to its last scoring layer only.
 
-Two ways to run it (DESIGN.md §4):
+Two ways to run it (docs/hermes.md §4):
 - fused (`chunk=`): the prompts ride behind a chunk's own prefill, in the same forward. The chunk's tokens
   are stored and computed exactly as in a plain prefill; the prompts see the cache and the whole chunk. One
   forward per chunk; no LM head runs (the decoder stack is called, never the full model).
@@ -95,7 +95,7 @@ def run_guidance(language_model: torch.nn.Module, cache: HermesCache, plan: Guid
 
     ids:     per stream, the token ids of each prompt in `plan.kinds` (`GuidancePlan.token_ids`).
     backend: of `hermes_kernels.pooled_attention`.
-    chunk:   a chunk to prefill in the same forward (fused, DESIGN.md §4): its tokens are stored, exactly as a
+    chunk:   a chunk to prefill in the same forward (fused, docs/hermes.md §4): its tokens are stored, exactly as a
              plain prefill stores them, and the prompts see them; V then counts them. Needs `plan.kinds`.
              Without it the pass is read-only: the cache is unchanged.
     """

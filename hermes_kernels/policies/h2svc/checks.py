@@ -1,13 +1,14 @@
-"""Input checks of the H2SVC ops, shared by `hermes.h2svc.reference` and `hermes_kernels` (H2SVC.md, issue 9).
+"""Input checks of the H2SVC ops, shared by `hermes_kernels.policies.h2svc.reference` and `hermes_kernels`
+(docs/h2svc.md §7).
 
 Every check runs before anything is written, so a failed call leaves every tensor byte-identical. Errors are
 ValueError (bad shape, value or size) or TypeError (bad type or dtype) and start with the argument's name.
-The generic helpers come from `hermes.validation` (one copy for both policies).
+The generic helpers come from `hermes_kernels.checks` (one copy for both policies).
 
 Two kinds of checks (ours): *structure* (types, shapes, dtypes, devices, host ints) always runs and never reads
 a tensor's contents; *contents* (frame indices distinct and older than the arrivals, features finite, ...)
 reads tensor values, which on a GPU is a host synchronisation. `contents=None` (the default) runs them only
-for CPU tensors, so a step on CUDA stays free of host syncs (issue 9); pass True to force them anywhere (the
+for CPU tensors, so a step on CUDA stays free of host syncs (docs/h2svc.md §7.3); pass True to force them anywhere (the
 reference does) or False to skip them.
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ def check_trajectory(features, times) -> None:
 
 
 def check_stce(features, frames, arriving, first_frame, capacity, contents: bool | None = None) -> int:
-    """Inputs of `stce_select` (H2SVC.md §3). Returns F, the number of arrivals.
+    """Inputs of `stce_select` (docs/h2svc.md §3). Returns F, the number of arrivals.
 
     features float32/float64 [H, B, W, D]: features of the held frames, any slot order; frames int64 [H, B, W]:
     their stream indices, −1 for an empty slot (valid ones distinct per row); arriving [H, B, F, D], features'
@@ -137,7 +138,7 @@ def check_fifo(frames, first_frame, num_frames, window, contents: bool | None = 
 def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held, num_frames,
                      first_frame, reindex, next_position, features, contents: bool | None = None,
                      arriving_values: bool = True) -> int:
-    """All checks of one `h2svc_step` on a class block (interface of issue 9), before anything is written.
+    """All checks of one `h2svc_step` on a class block (docs/h2svc.md §7), before anything is written.
     Returns the class as an int.
 
     keys/values [H_c, B, C, D] one dtype (fp16/bf16/fp32/fp64) and device, D even; positions int64 [H_c, B, C]
@@ -213,7 +214,7 @@ def check_arriving_features(arriving: torch.Tensor, contents: bool | None = None
 
 
 def check_attention_profile(probs, frame_of_token, num_kv_heads, text_queries=None) -> int:
-    """Inputs of `tad_v2v` / `tad_t2v` (H2SVC.md §2). Returns n, the number of frames.
+    """Inputs of `tad_v2v` / `tad_t2v` (docs/h2svc.md §2). Returns n, the number of frames.
 
     probs float [L, H, S, S] finite (attention probabilities of one video, rows = queries); frame_of_token
     int64 [S]: 0-based frame of each token, −1 for other tokens, every frame 0..n−1 present; num_kv_heads

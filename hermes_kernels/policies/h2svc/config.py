@@ -1,6 +1,6 @@
 """H2SVC configuration: the class windows, the class ratios and the head map in one frozen dataclass, plus presets.
 
-H2SVC.md §1–2, §4 and the engine interface of issue 9. Every (layer, KV head) belongs to one class: INSTANT
+docs/h2svc.md §1–2, §4 and the engine interface, docs/h2svc.md §7. Every (layer, KV head) belongs to one class: INSTANT
 (FIFO over the newest W_s frames), SHORT (FIFO over W_w frames) or EPISODIC (STCE over N_e frames). The rows of
 one class are stacked in (layer, head) order; `class_rows`, `layer_rows` and `heads_of` say which row is which.
 """
@@ -41,7 +41,7 @@ def _decimal(ratio: float) -> Fraction:
 
 
 def class_counts(num_heads: int, instant_ratio: float = 0.1, short_ratio: float = 0.4) -> tuple[int, int, int]:
-    """(n_i, n_s, n_e) for H = num_heads heads (H2SVC.md §2):
+    """(n_i, n_s, n_e) for H = num_heads heads (docs/h2svc.md §2):
 
     n_i = ⌊r_i·H + ½⌋,  n_s = ⌊(r_i + r_s)·H + ½⌋ − n_i,  n_e = H − n_i − n_s
     (with the default ratios n_s = ⌊0.5·H + ½⌋ − n_i). Ratios must lie in [0, 1] with r_i + r_s ≤ 1.
@@ -62,7 +62,7 @@ def class_counts(num_heads: int, instant_ratio: float = 0.1, short_ratio: float 
 
 def default_head_map(num_layers: int, num_kv_heads: int, instant_ratio: float = 0.1,
                      short_ratio: float = 0.4) -> torch.Tensor:
-    """The unprofiled head map, int64 [L, Hkv] (ours): the seed's depth order (its flowchart puts instant heads
+    """The unprofiled head map, int64 [L, Hkv] (ours): the paper's depth order (its flowchart puts instant heads
     at the bottom, short in the middle, episodic at the top), i.e. `classify_heads` with score = layer index:
     heads in (layer, head) order, the first n_i instant, the next n_s short, the rest episodic (`class_counts`).
     """
@@ -99,7 +99,7 @@ def _normalise_head_map(head_map, num_layers: int, num_kv_heads: int) -> tuple[t
 
 @dataclasses.dataclass(frozen=True)
 class H2SVCConfig:
-    """One H2SVC policy for a model with `num_layers` decoder layers of `num_kv_heads` KV heads (H2SVC.md).
+    """One H2SVC policy for a model with `num_layers` decoder layers of `num_kv_heads` KV heads (docs/h2svc.md).
 
     Fields:
         num_layers        L, decoder layers of the language model.
@@ -226,7 +226,7 @@ class H2SVCConfig:
 
     def needs_reindex(self, max_position: int) -> bool:
         """Re-index in this step? eager: always; lazy: once the largest position exceeds max_positions - margin
-        (H2SVC.md §4, as HERMES §2.7). `max_position` is the cache's largest position, known on the host."""
+        (docs/h2svc.md §4, as HERMES §2.7). `max_position` is the cache's largest position, known on the host."""
         return self.reindex == "eager" or max_position > self.max_positions - self.margin
 
     def replace(self, **changes) -> "H2SVCConfig":
@@ -248,7 +248,7 @@ class H2SVCConfig:
     def llava_ov(cls, num_layers: int, num_kv_heads: int, prefix_len: int, head_map=None,
                  max_positions: int = 32768, **overrides) -> "H2SVCConfig":
         """LLaVA-OneVision (Qwen2 language model): 196 tokens per 384² frame (27² SigLIP patches downsampled 2× to
-        14²), 32768 positions, the seed's defaults W_s = 4, W_w = 16, N_e = 64 and ratios 0.1 / 0.4 / 0.5."""
+        14²), 32768 positions, the paper's defaults W_s = 4, W_w = 16, N_e = 64 and ratios 0.1 / 0.4 / 0.5."""
         params = dict(tokens_per_frame=196)
         params.update(overrides)
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, prefix_len=prefix_len, head_map=head_map,
@@ -259,6 +259,6 @@ class H2SVCConfig:
                    head_map=None, max_positions: int = 128000, **overrides) -> "H2SVCConfig":
         """Qwen2.5-VL: one "frame" is one temporal grid step of the video (two sampled frames merged by the
         temporal patch size 2) with h'·w' merged tokens; 196 for 392² px input (28² patches of 14 px merged
-        2×2 to 14²). Positions are 3D M-RoPE (t, h, w); 128000 positions; the seed's windows and ratios."""
+        2×2 to 14²). Positions are 3D M-RoPE (t, h, w); 128000 positions; the paper's windows and ratios."""
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, prefix_len=prefix_len,
                    tokens_per_frame=tokens_per_frame, head_map=head_map, max_positions=max_positions, **overrides)

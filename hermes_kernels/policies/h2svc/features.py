@@ -1,10 +1,10 @@
-"""H2SVC stage (a): frame features, the mean value vector of every frame (H2SVC.md §3).
+"""H2SVC stage (a): frame features, the mean value vector of every frame (docs/h2svc.md §3).
 
     V_f = (1 / T_f) · Σ_{k < T_f} v[f·T_f + k]        per (row, stream, frame), over the frame's T_f tokens
 
 Values, not keys: values carry no rotary phase, so features of frames at different positions compare directly.
-Accumulated in float32 whatever the cache dtype (float64 for a float64 cache, as `hermes.h2svc.reference`), and
-divided once by T_f at the end.
+Accumulated in float32 whatever the cache dtype (float64 for a float64 cache, as
+`hermes_kernels.policies.h2svc.reference`), and divided once by T_f at the end.
 
 Two implementations of one contract, side by side:
   frame_features_triton — one launch, one program per (row, stream, frame, channel block);
@@ -38,7 +38,7 @@ def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 # Grid (H·B·F, cdiv(D, BLOCK_D)): a program reads its frame's T_f value rows in [BLOCK_T, BLOCK_D] tiles, contiguous
 # along the channels, once each, and writes one [BLOCK_D] slice of the frame's mean. B and F (streams, frames of the
 # chunk) are runtime values, not specialised: a ragged last chunk or another stream count needs no new compile.
-# Compile spec (GPU guard): the H2SVC step's, `frame_update._gpu_spec`, which launches it as a step does.
+# Compile spec (GPU guard): the H2SVC step's, `step._gpu_spec`, which launches it as a step does.
 @triton.jit(do_not_specialize=["B", "F"])
 def _frame_features_kernel(v_ptr, out_ptr, sv_h, sv_b, sv_n, sv_d, so_h, so_b, so_f, so_d,
                            B, F, T, D,

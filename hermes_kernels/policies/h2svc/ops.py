@@ -17,7 +17,7 @@ from .config import H2SVCConfig
 
 
 def frame_features(values: torch.Tensor, tokens_per_frame: int, backend: str = "auto") -> torch.Tensor:
-    """Mean value vector of every frame (H2SVC.md §3): values [H, B, F·T_f, D] fp16/bf16/fp32/fp64 (any strides,
+    """Mean value vector of every frame (docs/h2svc.md §3): values [H, B, F·T_f, D] fp16/bf16/fp32/fp64 (any strides,
     e.g. the arriving frames' slots of a class block) -> float32 [H, B, F, D] (float64 for float64 values)."""
     check_frame_features(values, tokens_per_frame)
     impl = pick(backend, values.device, feature_kernels.frame_features_triton,
@@ -27,7 +27,7 @@ def frame_features(values: torch.Tensor, tokens_per_frame: int, backend: str = "
 
 def stce_select(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
                 capacity: int, backend: str = "auto") -> torch.Tensor:
-    """Kept frame indices int64 [H, B, capacity] (ascending, -1 padded) after STCE over one chunk (H2SVC.md §3).
+    """Kept frame indices int64 [H, B, capacity] (ascending, -1 padded) after STCE over one chunk (docs/h2svc.md §3).
 
     features float32 [H, B, W, D] (the held frames' features, any slot order; float64 allowed), frames int64
     [H, B, W] (their stream indices, -1 empty, valid ones distinct), arriving [H, B, F, D] of features' dtype in
@@ -42,7 +42,8 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
                cfg: H2SVCConfig, cls, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
                held: int, num_frames: int, first_frame: int, reindex: bool, next_position: int,
                features: torch.Tensor | None = None, backend: str = "auto") -> H2SVCStepResult:
-    """One H2SVC step of one class block, in place; same contract as `hermes.h2svc.reference.h2svc_step`.
+    """One H2SVC step of one class block, in place; same contract as
+    `hermes_kernels.policies.h2svc.reference.h2svc_step`.
 
     keys/values [H_c, B, C, D] fp16/bf16/fp32/fp64 (any strides); positions int64 [H_c, B, C] or [H_c, B, 3, C]
     (M-RoPE with mrope_section); slot_frames int64 [H_c, B, W] (W = cfg.window(cls)); features float32

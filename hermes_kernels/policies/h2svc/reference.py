@@ -1,6 +1,6 @@
-"""The plain per-head PyTorch oracle of H2SVC (H2SVC.md §2–4, engine interface of issue 9).
+"""The plain per-head PyTorch oracle of H2SVC (docs/h2svc.md §2–4, engine interface, docs/h2svc.md §7).
 
-Meant to be read next to the seed (`seeds/003_…`): every block names the formula it computes. It is slow on
+Meant to be read next to the paper (docs/h2svc.md): every block names the formula it computes. It is slow on
 purpose (Python loops over layers, heads, streams and frames, one small op at a time) and is the single oracle
 every H2SVC kernel test imports. Features and scores are float32 (float64 for float64 input); keys, values
 and positions are updated in place exactly as the fast path does.
@@ -62,7 +62,7 @@ def _kv_head_probs(probs: torch.Tensor, layer: int, kv_head: int, num_kv_heads: 
 
 
 def tad_v2v(probs: torch.Tensor, frame_of_token: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """TAD_V2V of one video, float64 [L, Hkv] (H2SVC.md §2):
+    """TAD_V2V of one video, float64 [L, Hkv] (docs/h2svc.md §2):
 
         TAD_V2V(h) = (1/n) Σ_{i=1..n} mean_{q ∈ F_i} Σ_{j ≤ i} (i − j)·A[q, F_j]
 
@@ -87,12 +87,12 @@ def tad_v2v(probs: torch.Tensor, frame_of_token: torch.Tensor, num_kv_heads: int
 
 def tad_t2v(probs: torch.Tensor, frame_of_token: torch.Tensor, text_queries: torch.Tensor,
             num_kv_heads: int) -> torch.Tensor:
-    """TAD_T2V of one video, float64 [L, Hkv] (H2SVC.md §2):
+    """TAD_T2V of one video, float64 [L, Hkv] (docs/h2svc.md §2):
 
         TAD_T2V(h) = mean_{q ∈ text} Σ_{j=1..n} (n − j)·A[q, F_j]
 
     text_queries: int64 [Q], the question (and answer) tokens after all n frames. 0-based frame f sits at
-    distance n − 1 − f: the newest frame is at distance 0, as in V2V (ours, H2SVC.md §2).
+    distance n − 1 − f: the newest frame is at distance 0, as in V2V (ours, docs/h2svc.md §2).
     """
     n = check_attention_profile(probs, frame_of_token, num_kv_heads, text_queries)
     L = probs.shape[0]
@@ -106,7 +106,7 @@ def tad_t2v(probs: torch.Tensor, frame_of_token: torch.Tensor, text_queries: tor
 
 
 def head_scores(v2v: torch.Tensor, t2v: torch.Tensor) -> torch.Tensor:
-    """S(h) = ½(N(TAD_V2V) + N(TAD_T2V)), float64 [L, Hkv] (H2SVC.md §2), each metric min-max normalised over all
+    """S(h) = ½(N(TAD_V2V) + N(TAD_T2V)), float64 [L, Hkv] (docs/h2svc.md §2), each metric min-max normalised over all
     L·Hkv heads: N(x) = (x − min)/(max − min), 0 when max = min. v2v, t2v: float [L, Hkv] (already averaged
     over the sample videos)."""
     check_tad_pair(v2v, t2v)
@@ -122,7 +122,7 @@ def head_scores(v2v: torch.Tensor, t2v: torch.Tensor) -> torch.Tensor:
 
 
 def classify_heads(scores: torch.Tensor, instant_ratio: float = 0.1, short_ratio: float = 0.4) -> torch.Tensor:
-    """The head map, int64 [L, Hkv] (H2SVC.md §2): heads sorted by S ascending, ties by (layer, head); the first
+    """The head map, int64 [L, Hkv] (docs/h2svc.md §2): heads sorted by S ascending, ties by (layer, head); the first
     n_i = ⌊r_i·H + ½⌋ instant, the next n_s = ⌊(r_i + r_s)·H + ½⌋ − n_i short, the rest episodic."""
     n_i, n_s, _ = check_head_scores(scores, instant_ratio, short_ratio)
     # a stable sort of the row-major flattening breaks ties by (layer, head)
@@ -138,7 +138,7 @@ def classify_heads(scores: torch.Tensor, instant_ratio: float = 0.1, short_ratio
 # ---------------------------------------------------------------------------------------------------------------
 
 def frame_features(values: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
-    """V_j = mean of the value vectors of frame j's tokens (H2SVC.md §3), float32 [H, B, F, D] (float64 for
+    """V_j = mean of the value vectors of frame j's tokens (docs/h2svc.md §3), float32 [H, B, F, D] (float64 for
     float64 input). values: [H, B, F·T_f, D] any float dtype; values carry no RoPE, so keys are never used."""
     F = check_frame_features(values, tokens_per_frame)
     work = work_dtype(values)
@@ -150,7 +150,7 @@ def frame_features(values: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
 
 
 def _curvature(v_prev: torch.Tensor, v_j: torch.Tensor, v_next: torch.Tensor, t_prev: int, t_next: int) -> float:
-    """I(j) of an interior frame j with retained neighbours p, n (H2SVC.md §3):
+    """I(j) of an interior frame j with retained neighbours p, n (docs/h2svc.md §3):
 
         I(j) = (1 − cos(v_in, v_out)) · min(‖v_in‖, ‖v_out‖) · log(t_n − t_p),  v_in = V_j − V_p, v_out = V_n − V_j
 
@@ -166,7 +166,7 @@ def _curvature(v_prev: torch.Tensor, v_j: torch.Tensor, v_next: torch.Tensor, t_
 
 
 def stce_scores(features: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
-    """I(j) of every retained frame of one head, in temporal order (H2SVC.md §3), from scratch.
+    """I(j) of every retained frame of one head, in temporal order (docs/h2svc.md §3), from scratch.
 
     features: float32/float64 [n, D], the frames' features; times: int64 [n] strictly increasing stream indices.
     Returns [n] in features' dtype; the oldest and the newest frame score +inf (never evicted; ours).
@@ -203,7 +203,7 @@ class _Trajectory:
 
     def append(self, feature: torch.Tensor, time: int) -> None:
         """Link a frame newer than all retained ones after the newest; the previous newest becomes interior and
-        its score is computed now (H2SVC.md §3)."""
+        its score is computed now (docs/h2svc.md §3)."""
         node = len(self.times)
         self.features.append(feature)
         self.times.append(time)
@@ -250,7 +250,7 @@ class _Trajectory:
 
 def stce_trace(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
                capacity: int) -> STCETrace:
-    """STCE over one chunk of F arrivals for every row (H2SVC.md §3), with each eviction's score margin.
+    """STCE over one chunk of F arrivals for every row (docs/h2svc.md §3), with each eviction's score margin.
 
     features: float32/float64 [H, B, W, D] held frames' features (any slot order); frames: int64 [H, B, W] their
     stream indices (−1 empty); arriving: [H, B, F, D] in arrival order, arrival i is frame first_frame + i;
@@ -289,7 +289,7 @@ def stce_trace(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Ten
 def stce_select(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
                 capacity: int) -> torch.Tensor:
     """Kept frame indices per row after one chunk of arrivals, int64 [H, B, capacity], ascending, −1 padded
-    (H2SVC.md §3; arguments as `stce_trace`, the same contract as `hermes_kernels.stce_select`)."""
+    (docs/h2svc.md §3; arguments as `stce_trace`, the same contract as `hermes_kernels.stce_select`)."""
     return stce_trace(features, frames, arriving, first_frame, capacity).kept
 
 
@@ -298,7 +298,7 @@ def stce_select(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Te
 # ---------------------------------------------------------------------------------------------------------------
 
 def fifo_keep(frames: torch.Tensor, first_frame: int, num_frames: int, window: int) -> torch.Tensor:
-    """Kept frame indices of FIFO heads after a chunk, int64 [H, B, window], ascending, −1 padded (H2SVC.md §1):
+    """Kept frame indices of FIFO heads after a chunk, int64 [H, B, window], ascending, −1 padded (docs/h2svc.md §1):
     the newest `window` of the held frames (frames int64 [H, B, W'], −1 empty) and the arrivals
     first_frame, …, first_frame + num_frames − 1."""
     check_fifo(frames, first_frame, num_frames, window, contents=True)
@@ -320,7 +320,7 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
                cfg: H2SVCConfig, cls, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
                held: int, num_frames: int, first_frame: int, reindex: bool, next_position: int,
                features: torch.Tensor | None = None) -> H2SVCStepResult:
-    """One H2SVC step of one class block, in place, after the chunk's prefill (interface of issue 9).
+    """One H2SVC step of one class block, in place, after the chunk's prefill (docs/h2svc.md §7).
 
     keys/values: [H_c, B, C, D] fp16/bf16/fp32/fp64; positions: int64 [H_c, B, C] or [H_c, B, 3, C] (M-RoPE with
     `mrope_section`); slot_frames: int64 [H_c, B, W] (W = cfg.window(cls)); features (EPISODIC only): float32
@@ -334,10 +334,10 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
        is not kept are filled, ascending, by the kept frames of the overflow slots in arrival order (K, V of all
        T_f tokens, positions and feature move; sources are left as they were).
     3. slot_frames = the frame now in each home slot, −1 from held' on.
-    4. reindex (H2SVC.md §4): per row and axis, the retained visual tokens take P + shift + dense rank, with
+    4. reindex (docs/h2svc.md §4): per row and axis, the retained visual tokens take P + shift + dense rank, with
        shift = (next_position − P) − E and E the largest number of distinct values over the axes, so every row's
        largest coordinate is next_position − 1 (right alignment); keys rotate by the integer delta (§2.8 of
-       DESIGN.md, `hermes.rope`); the prefix is untouched.
+       docs/hermes.md, `hermes_kernels.rope`); the prefix is untouched.
     Everything is checked before anything is written.
     """
     cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held,
@@ -377,7 +377,7 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
             # 3. the frame of every home slot (slots from held' on were empty before and stay −1: held' >= held)
             slot_frames[row, b, :held_after] = torch.tensor(frame_in_slot[:held_after], dtype=torch.int64)
 
-            # 4. H2SVC.md §4: right-aligned per-axis dense ranks ending at next_position − 1, keys by the delta
+            # 4. docs/h2svc.md §4: right-aligned per-axis dense ranks ending at next_position − 1, keys by the delta
             if reindex:
                 tokens = slice(P, P + held_after * T_f)
                 old = positions[row, b][..., tokens]  # [n] or [3, n]

@@ -1,5 +1,5 @@
-"""H2SVC stage (c): the in-place, frame-granular update of one class block after a chunk (H2SVC.md §3-§5; the
-engine interface of issue 9).
+"""H2SVC stage (c): the in-place, frame-granular update of one class block after a chunk (docs/h2svc.md §3-§5; the
+engine interface, docs/h2svc.md §7).
 
 State of a class block with window W frames (T_f tokens each, prefix P), rows = the class's (layer, KV head)s:
 keys/values [H_c, B, C, D], positions [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE), slot_frames [H_c, B, W] and,
@@ -9,7 +9,7 @@ s < W. `held` frames sit in home slots [0, held); the chunk's F arrivals were wr
 
 One step, every row at once:
  1. keep set: FIFO classes keep the newest min(W, held + F) frames; EPISODIC runs STCE (`stce.py`) over the held
-    frames and the arrivals' features (`frame_features.py`) with capacity W;
+    frames and the arrivals' features (`features.py`) with capacity W;
  2. slot plan (interface, ours): kept frames in home slots stay; `free` = home slots < held' = min(W, held + F)
     whose frame is not kept, ascending; `movers` = kept frames in overflow slots, in arrival order; mover k goes
     to free[k]. A mover's K, V, positions and feature move with it; its source slots are left as they were;
@@ -17,7 +17,7 @@ One step, every row at once:
  4. when `reindex` (the caller's decision): the retained visual tokens of every row get, per axis, new = P + shift
     + dense rank among the row's retained values on that axis, shift = (next_position - P) - E, E = the largest
     distinct count over the axes: every row's newest coordinate lands at next_position - 1 (right alignment,
-    §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32 (`hermes.rope`).
+    §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32 (`hermes_kernels.rope`).
 
 The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it
 reads no tensor on the host (held, F, first_frame, next_position and reindex are the caller's host values), so
@@ -27,10 +27,10 @@ the backends differ in:
   h2svc_step_triton — ONE move launch (grid: rows·streams·work items × token tiles) after the feature and STCE
       launches of an EPISODIC block;
   h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
-      `compact._rows_native`, moved rows written with streaming stores): every row walked once, left to right,
+      `rows.move_rows_native`, moved rows written with streaming stores): every row walked once, left to right,
       in place; otherwise (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the "torch-ops"
       path) torch ops over all rows at once: one indexed copy of the movers' frames, or compaction's tiled
-      rotation (`compact._rows_torch`).
+      rotation (`rows.move_rows_torch`).
 Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
   reindex False: the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
       their positions; nothing else in the cache is touched;

@@ -1,4 +1,4 @@
-"""Stage 4: in-place compaction of the KV cache (DESIGN.md §2.6–2.8; paper Alg. 1 and appendix E).
+"""Stage 4: in-place compaction of the KV cache (docs/hermes.md §2.6–2.8; paper Alg. 1 and appendix E).
 
 For every (layer, stream): the kept visual tokens (`keep`, ascending) move to slots P..P+n_l-1 (the prefix stays),
 their positions become P + dense rank among the retained values of each axis when re-indexing, their keys are
@@ -18,7 +18,7 @@ frame, so no method may assume monotone values. Both backends therefore compute 
 the retained values of one (layer, stream, axis), mark where the sorted value changes, prefix-sum the marks,
 scatter the ranks back — and the Triton rank kernel first checks on the device whether the row is already
 non-decreasing in cache order and then takes the cheap path (prefix sum of "differs from the previous retained
-value") without sorting. Both paths give the `torch.unique`-based dense rank of `hermes.rope.compact_positions`
+value") without sorting. Both paths give the `torch.unique`-based dense rank of `hermes_kernels.rope.compact_positions`
 for any input, so the result never depends on how the cache was built.
 
 Two implementations of one contract, side by side:
@@ -105,7 +105,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
                   cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
                   layers: range | None = None, compacted_flag: torch.Tensor | None = None, *,
                   native: bool | None = None) -> tuple[int, torch.Tensor]:
-    """Vectorised PyTorch compaction, in place; same result as `hermes.reference.compact` (Alg. 1, appendix E).
+    """Vectorised PyTorch compaction, in place; same result as `reference.compact` (Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64 (any strides); positions: int64 [L, B, N] (1D) or
     [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep` (ascending, -1 padded: only deep layers with
@@ -463,7 +463,7 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
                    cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
                    layers: range | None = None,
                    compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
-    """Fused in-place compaction (Alg. 1, appendix E) in three launches; same result as `hermes.reference.compact`.
+    """Fused in-place compaction (Alg. 1, appendix E) in three launches; same result as `reference.compact`.
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64, any strides (e.g. `buffer[..., :N, :]` views);
     positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep`.

@@ -1,4 +1,4 @@
-"""HERMES configuration: every knob of DESIGN.md §2 in one frozen dataclass, plus presets.
+"""HERMES configuration: every knob of docs/hermes.md §2 in one frozen dataclass, plus presets.
 
 The per-layer vectors (role, recency weight ω_l, forgetting rate k_l, smoothing λ_l, budget b_l) are derived
 once at construction and kept as CPU tensors; `cfg.on(device)` hands out memoised device copies so kernels
@@ -22,7 +22,7 @@ ROLE_NAMES = ("shallow", "mid", "deep")
 class HermesConfig:
     """One HERMES policy for a model with `num_layers` decoder layers.
 
-    Fields (DESIGN.md §2):
+    Fields (docs/hermes.md §2):
         num_layers      L, decoder layers of the language model.
         budget          b = |M|, visual tokens kept per layer (deep layers keep b-1 plus one summary when
                         `summary`); the system prefix is kept on top of it.
@@ -163,7 +163,7 @@ class HermesConfig:
     @classmethod
     def llava_ov(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 32768,
                  **overrides) -> "HermesConfig":
-        """LLaVA-OneVision, following the released `llavaov_hermes.py` (seed 000, "Paper vs code"):
+        """LLaVA-OneVision, following the released `llavaov_hermes.py` (docs/hermes.md §5):
 
         - ω = 1.0 - 0.9·p in mid layers (code; the paper's eq. 3 has 0.75/0.6) — item 2;
         - k from 20 in shallow layers down to 0.5 across mid layers, distance normalised by the visual span — item 3;
@@ -180,7 +180,7 @@ class HermesConfig:
     @classmethod
     def qwen2_5_vl(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 128000,
                    **overrides) -> "HermesConfig":
-        """Qwen2.5-VL, following the released `qwenvl_hermes.py` (seed 000, "Paper vs code"):
+        """Qwen2.5-VL, following the released `qwenvl_hermes.py` (docs/hermes.md §5):
 
         - ω = 0.75 - 0.6·p in mid layers, as the paper's eq. 3 — item 2;
         - k from 20 in shallow layers down to 8 across mid layers — item 3;
@@ -196,7 +196,7 @@ class HermesConfig:
     def paper(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 32768,
               **overrides) -> "HermesConfig":
         """The paper as written: eq. 3 constants (ω0 = 0.75, γ = 0.6), smoothing from the raw deeper score
-        S[l+1] as eq. 5 writes it (cascade=False, seed 000 item 4). The paper leaves k unstated (eq. 1), so
+        S[l+1] as eq. 5 writes it (cascade=False, docs/hermes.md §5 item 4). The paper leaves k unstated (eq. 1), so
         the Qwen code's 20 → 8 is used; eager re-indexing as in the paper's §2 investigation ("re-indexing to
         contiguous [0, |M|)") — pass reindex="lazy" for streaming benchmarks (§4.1).
         """

@@ -49,7 +49,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
             compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """In-place gather + re-index + rotary delta + summary (Alg. 1, appendix E). Returns (length, compacted_flag).
 
-    Same contract as `hermes.reference.compact`: `layers` (a range with step 1 inside [0, L)) names the config
+    Same contract as `reference.compact`: `layers` (a range with step 1 inside [0, L)) names the config
     layers the tensors hold, default all; `compacted_flag` (0-dim bool on keys' device) is the caller's re-index
     decision for the whole model and wins over the config (§2.7), default: decided from these positions.
     """
@@ -64,7 +64,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
                   cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
                   backend: str = "auto") -> CompressResult:
-    """One HERMES compression step in place; same contract as `hermes.reference.compress_step` (§3).
+    """One HERMES compression step in place; same contract as `reference.compress_step` (§3).
 
     keys/values [L, B, Hkv, N, D] fp16/bf16/fp32 (first `length` slots valid afterwards); positions int64
     [L, B, N] or [L, B, 3, N] (M-RoPE with `mrope_section`); attn float32 [L, B, N - prefix_len].

@@ -1,4 +1,4 @@
-"""Pooled guidance attention (DESIGN.md §2.3, seed 000 item 7): Triton two-pass kernel and its torch twin.
+"""Pooled guidance attention (docs/hermes.md §2.3, docs/hermes.md §5 item 7): Triton two-pass kernel and its torch twin.
 
 For every key j the output is  a_j = 1/(H·Q) · Σ_h Σ_i softmax_j(scale · q_{h,i} · k_{h//G, j})  over the keys query i
 sees (causal, bottom-right aligned: j <= N - Q + i; G = H / Hkv query heads share one KV head). Neither backend builds

@@ -1,4 +1,4 @@
-"""The plain PyTorch oracle of one HERMES compression step (DESIGN.md §2), written per layer and per stream.
+"""The plain PyTorch oracle of one HERMES compression step (docs/hermes.md §2), written per layer and per stream.
 
 This file is meant to be read next to the paper: every block names the equation it computes. It is slow on
 purpose (Python loops, one small op at a time) and is the single oracle that every kernel test imports.
@@ -21,7 +21,7 @@ from .config import DEEP, HermesConfig
 
 
 def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Guidance attention pooled over heads and query tokens (§2.3, seed 000 item 7).
+    """Guidance attention pooled over heads and query tokens (§2.3, docs/hermes.md §5 item 7).
 
     q: [B, H, Q, D] post-RoPE guidance queries; k: [B, Hkv, N, D], whose last Q keys are the queries' own.
     Stacked [L, B, H, Q, D] / [L, B, Hkv, N, D] inputs give one row per layer.
@@ -60,12 +60,12 @@ def hermes_scores(attn: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
         recency = torch.exp(-k_l * (V - 1 - j) / max(V - 1, 1))
         for b in range(B):
             a = attn[layer, b].to(work)
-            # seed 000 item 6: min-max normalise attention and recency separately per layer and stream
+            # docs/hermes.md §5 item 6: min-max normalise attention and recency separately per layer and stream
             A = (a - a.min()) / (a.max() - a.min() + cfg.eps)
             R = (recency - recency.min()) / (recency.max() - recency.min() + cfg.eps)
             # eq. 4: blend with the layer's recency weight ω_l (shallow 1, deep 0, mid eq. 3)
             raw[layer, b] = (1 - omega) * A + omega * R
-    # eq. 5, deepest layer first; the deepest layer keeps its raw score (seed 000 item 4)
+    # eq. 5, deepest layer first; the deepest layer keeps its raw score (docs/hermes.md §5 item 4)
     smooth = raw.clone()
     for layer in range(L - 2, -1, -1):
         lam = float(cfg.lam[layer])
@@ -158,7 +158,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
                   cfg: HermesConfig, inv_freq: torch.Tensor,
                   mrope_section: Sequence[int] | None = None) -> CompressResult:
-    """One HERMES compression step, in place (DESIGN.md §2.3–2.8).
+    """One HERMES compression step, in place (docs/hermes.md §2.3–2.8).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64; positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE with
     `mrope_section`); attn: float32 [L, B, N - P] pooled guidance attention; inv_freq: [D/2] from the model's

@@ -1,7 +1,7 @@
-"""Stage 2: HERMES importance scores S~ from pooled attention (DESIGN.md §2.3–2.4).
+"""Stage 2: HERMES importance scores S~ from pooled attention (docs/hermes.md §2.3–2.4).
 
 Per (layer l, stream b), over the V visual tokens j:
-    A_j  = (a_j - min a) / (max a - min a + eps)                      min-max of pooled attention (seed 000 item 6)
+    A_j  = (a_j - min a) / (max a - min a + eps)                      min-max of pooled attention (§5 item 6)
     r_j  = exp(-k_l · (V-1-j) / max(V-1, 1)),  R likewise min-max    recency, eq. 1 in the released code's form
     S    = (1 - ω_l)·A + ω_l·R                                        eq. 4
     S~[L-1] = S[L-1];  S~[l] = (1-λ_l)·S[l] + λ_l·X[l+1]               eq. 5, X = S~ (cascade) or S (cascade=False)

@@ -1,6 +1,6 @@
-"""Stage 3: which visual tokens each (layer, stream) keeps (DESIGN.md §2.5, eq. 6).
+"""Stage 3: which visual tokens each (layer, stream) keeps (docs/hermes.md §2.5, eq. 6).
 
-Contract (same as `hermes.reference.select_keep`): keep the n_l = min(b_l, V) largest scores of every row, ties
+Contract (same as `reference.select_keep`): keep the n_l = min(b_l, V) largest scores of every row, ties
 going to the LOWER index, and emit the kept indices in ascending (cache) order, padded with -1 to n = min(b, V)
 (deep layers keep b-1 when summary is on). Both backends work from a threshold instead of a sort:
     t     = the n_l-th largest score of the row,

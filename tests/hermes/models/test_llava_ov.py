@@ -1,5 +1,5 @@
 """HermesStream on a tiny random LLaVA-OneVision (Qwen2 decoder, 1D RoPE): the shared integration checks of
-`tests/stream_checks.py` plus the family's token layout."""
+`tests/hermes/streams.py` plus the family's token layout."""
 import pytest
 import torch
 

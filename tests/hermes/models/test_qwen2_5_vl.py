@@ -1,5 +1,5 @@
 """HermesStream on a tiny random Qwen2.5-VL (M-RoPE): the shared integration checks of
-`tests/stream_checks.py` plus the family's positions (built by us, not by `get_rope_index`)."""
+`tests/hermes/streams.py` plus the family's positions (built by us, not by `get_rope_index`)."""
 import pytest
 import torch
 

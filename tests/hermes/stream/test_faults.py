@@ -118,7 +118,7 @@ MATRIX = [(phase, error, mode) for phase in PHASES for error in ERRORS for mode 
           and (mode == "fused" or phase in ("last layer", "guidance", "validation"))]
 
 
-# room=70 is issue 11's reproduction: with the failed chunk left appended, every later chunk ran out of room
+# room=70 reproduces a bug once fixed: with the failed chunk left appended, every later chunk ran out of room
 @pytest.mark.parametrize("phase,error,mode", MATRIX)
 def test_append_failure_leaves_the_stream_as_it_was(case, phase, error, mode, monkeypatch):
     g = torch.Generator().manual_seed(31)

@@ -1,4 +1,4 @@
-"""Helpers of the H2SVC stream tests (tests/test_h2svc_stream*.py): streams with poisoned free slots, chunks of a
+"""Helpers of the H2SVC stream tests (tests/hermes/policies/h2svc/): streams with poisoned free slots, chunks of a
 given number of H2SVC frames, snapshots of the class blocks, and the independent reference: a full-sequence
 forward through a test-only eager attention with an explicit boolean mask per (layer, KV head)."""
 from __future__ import annotations
@@ -112,7 +112,7 @@ AttentionInterface.register(MASKED, _masked_attention)
 
 
 def window_masks(cfg, frames: int, question_len: int) -> dict[int, torch.Tensor]:
-    """{layer: bool [Hkv, S, S]} over prefix + `frames` frames + question, written from H2SVC.md §3 on its own:
+    """{layer: bool [Hkv, S, S]} over prefix + `frames` frames + question, written from docs/h2svc.md §3 on its own:
     every token sees itself and earlier tokens only; an episodic head (no eviction) sees all of them; an instant
     or short head with window W sees the prefix, and from frame i's tokens the frames i − W + 1 … i, from the
     question's tokens the W newest frames (n − W … n − 1) and the question."""

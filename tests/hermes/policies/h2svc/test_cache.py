@@ -1,4 +1,4 @@
-"""H2SVCCache without a model (H2SVC.md §4–5): the layout of the class blocks (per class and device, rows of a
+"""H2SVCCache without a model (docs/h2svc.md §4–5): the layout of the class blocks (per class and device, rows of a
 layer contiguous, capacity formula), the frame-window mask against a brute-force reading of §3, what forwards
 may do in which state, and argument checks that leave the buffers as they were."""
 import pytest

@@ -1,4 +1,4 @@
-"""The streaming front under `policy="h2svc"` (H2SVC.md, HermesStream): head maps (files checked against the
+"""The streaming front under `policy="h2svc"` (docs/h2svc.md, HermesStream): head maps (files checked against the
 model, tensors, configs, the warned default), bad input that leaves every buffer byte-identical, injected faults
 (vision tower, a layer before and after its cache write, the step's validation, a failure inside the step's
 writes), two streams in lockstep vs each alone, ragged questions, two threads, reset, and a cache split into

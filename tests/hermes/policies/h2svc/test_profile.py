@@ -1,5 +1,5 @@
-"""The H2SVC head profiler (`hermes.h2svc.profile`) and head-map files (`hermes.h2svc.head_map`) on tiny LLaVA-OV
-and Qwen2.5-VL checkpoints saved with save_pretrained, over synthetic .mp4 files and frame arrays.
+"""The H2SVC head profiler (`hermes.policies.h2svc.profile`) and head-map files (`hermes.policies.h2svc.head_map`) on
+tiny LLaVA-OV and Qwen2.5-VL checkpoints saved with save_pretrained, over synthetic .mp4 files and frame arrays.
 
 The key check: the profiler's streamed reduction (eager attention per query block, folded into TAD sums, chunk
 by chunk through a DynamicCache) equals the reference `tad_v2v` / `tad_t2v` applied to the full [L, H, S, S]

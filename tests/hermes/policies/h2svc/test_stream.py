@@ -1,11 +1,12 @@
-"""H2SVC through the models (H2SVC.md §3–5): `HermesStream(policy="h2svc")` on tiny random LLaVA-OneVision (1D
+"""H2SVC through the models (docs/h2svc.md §3–5): `HermesStream(policy="h2svc")` on tiny random LLaVA-OneVision (1D
 RoPE) and Qwen2.5-VL (M-RoPE), the class-block cache, the per-class attention and the step, against references
 that never go through H2SVC:
 - windows larger than the video: one plain full-sequence forward (logits, and `generate`'s tokens);
 - instant / short windows smaller than the video, no episodic eviction: a full-sequence forward whose heads get
-  explicit frame-window masks written in the test (`tests.h2svc_checks.window_masks`);
-- episodic eviction: `hermes.h2svc.reference` STCE over the values the model produced (the cache's own value
-  means), and every kept key equal to the model's RoPE of its pre-RoPE key at the cache's (re-indexed) position;
+  explicit frame-window masks written in the test (`tests.hermes.policies.h2svc.checks.window_masks`);
+- episodic eviction: `hermes_kernels.policies.h2svc.reference` STCE over the values the model produced (the cache's
+  own value means), and every kept key equal to the model's RoPE of its pre-RoPE key at the cache's (re-indexed)
+  position;
 - 64+ chunks: the same storage, bytes per class as the capacity formula, positions bounded by lazy re-indexing.
 The step runs on both backends ("triton": the interpreter on CPU; a few small runs).
 """
@@ -112,11 +113,11 @@ EVICTION = runs(("llava_ov", "torch", "eager"), ("llava_ov", "torch", "lazy"), (
 
 @pytest.mark.parametrize("case,backend,reindex", EVICTION)
 def test_episodic_eviction_follows_the_reference_and_keys_follow_rope(case, backend, reindex):
-    """Episodic heads keep N_e = 3 of 12 frames: each row's kept frames equal `hermes.h2svc.reference.stce_trace`
-    run frame by frame over the frame means of the values the model wrote (tie-free: every eviction's margin is
-    checked), the cache's features are those means, and every kept token's key equals the model's RoPE of its
-    pre-RoPE key at the position the cache holds for it (right-aligned after eager re-indexing: the newest
-    retained token of every row sits at R - 1, R the next position)."""
+    """Episodic heads keep N_e = 3 of 12 frames: each row's kept frames equal
+    `hermes_kernels.policies.h2svc.reference.stce_trace` run frame by frame over the frame means of the values the model
+    wrote (tie-free: every eviction's margin is checked), the cache's features are those means, and every kept token's
+    key equals the model's RoPE of its pre-RoPE key at the position the cache holds for it (right-aligned after eager
+    re-indexing: the newest retained token of every row sits at R - 1, R the next position)."""
     g = torch.Generator().manual_seed(3)
     model = case.build()
     frames, count, capacity = 2, 6, 3

@@ -1,4 +1,4 @@
-"""Guidance fused into the chunk's prefill (DESIGN.md §4) against the separate guidance pass, on both tiny models.
+"""Guidance fused into the chunk's prefill (docs/hermes.md §4) against the separate guidance pass, on both tiny models.
 
 The fused forward must store the chunk exactly as a plain prefill does (its rows go through their own attention
 call), give every prompt the cache and the whole chunk, and keep nothing of the prompts: the pooled attention

@@ -1,5 +1,5 @@
 """H2SVCConfig: presets, class counts, the default head map, derived rows, head-map normalisation and field
-validation (H2SVC.md §1–2, interface of issue 9)."""
+validation (docs/h2svc.md §1–2, docs/h2svc.md §7)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""H2SVC stage (a), frame features: hk.frame_features on every backend against hermes.h2svc.reference.
+"""H2SVC stage (a), frame features: hk.frame_features on every backend against hermes_kernels.policies.h2svc.reference.
 
 Fresh random values in every cache dtype, odd token counts and head dims, contiguous tensors and strided views of
 larger NaN-tailed buffers (as the step passes the arriving frames' slots). The Triton output is poisoned before

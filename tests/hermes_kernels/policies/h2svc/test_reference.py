@@ -1,4 +1,5 @@
-"""hermes.h2svc.reference against hand-computed answers and independent brute force (H2SVC.md §2–4).
+"""hermes_kernels.policies.h2svc.reference against hand-computed answers and independent brute force (docs/h2svc.md
+§2–4).
 
 Routing (§2): TAD values on synthetic attention maps, GQA averaging, min-max normalisation, class counts and
 ties. STCE (§3): curvature by hand, straight line with a sharp turn, zero velocity, endpoints, ties, chunk =
@@ -191,7 +192,7 @@ def test_frame_features_accumulate_in_float32():
 
 
 def curvature_brute(prev, j, nxt, t_prev, t_next) -> float:
-    """I(j) of H2SVC.md §3 in float64, written independently of the reference."""
+    """I(j) of docs/h2svc.md §3 in float64, written independently of the reference."""
     v_in, v_out = (j - prev).double(), (nxt - j).double()
     a, b = v_in.norm().item(), v_out.norm().item()
     cos = 0.0 if a * b == 0 else (v_in @ v_out).item() / (a * b)

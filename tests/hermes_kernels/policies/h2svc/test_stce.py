@@ -1,4 +1,4 @@
-"""H2SVC stage (b), STCE over a chunk: hk.stce_select on every backend against hermes.h2svc.reference.
+"""H2SVC stage (b), STCE over a chunk: hk.stce_select on every backend against hermes_kernels.policies.h2svc.reference.
 
 Features are the frame features (reference `frame_features`) of fresh random values stored in the cache dtype
 (fp32 / bf16 / fp16), held in random slot order with NaN in empty slots. Keep sets must equal the reference's

@@ -1,4 +1,5 @@
-"""H2SVC stage (c), the step of one class block: hk.h2svc_step on every backend against hermes.h2svc.reference.
+"""H2SVC stage (c), the step of one class block: hk.h2svc_step on every backend against
+hermes_kernels.policies.h2svc.reference.
 
 Each case builds a fresh block as a stream leaves it: `held` frames (distinct frame indices with gaps) in random
 home-slot order, the chunk's F arrivals written at frame slots held .. held+F-1 with the stream's next positions,

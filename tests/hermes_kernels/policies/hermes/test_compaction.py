@@ -1,4 +1,5 @@
-"""Stage 4, in-place compaction: hermes_kernels.compact on both backends against hermes.reference.compact.
+"""Stage 4, in-place compaction: hermes_kernels.compact on both backends against
+hermes_kernels.policies.hermes.reference.compact.
 
 Every test builds a fresh cache (seeded), runs the reference on a clone, and checks the fast path: same length and
 re-index flag, positions equal in the first `length` slots, kept values bit-equal, kept keys bit-equal when nothing

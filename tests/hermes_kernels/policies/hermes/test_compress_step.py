@@ -1,4 +1,5 @@
-"""The whole step: hermes_kernels.compress_step on both backends against hermes.reference.compress_step."""
+"""The whole step: hermes_kernels.compress_step on both backends against
+hermes_kernels.policies.hermes.reference.compress_step."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""HermesConfig: layer roles, per-layer vectors, presets, and field validation (DESIGN.md §2.1–2.2)."""
+"""HermesConfig: layer roles, per-layer vectors, presets, and field validation (docs/hermes.md §2.1–2.2)."""
 import pytest
 import torch
 

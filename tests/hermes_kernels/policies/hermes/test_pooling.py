@@ -1,4 +1,4 @@
-"""Pooled guidance attention (DESIGN.md §2.3): both backends against `hermes.reference.pooled_attention`.
+"""Pooled guidance attention (docs/hermes.md §2.3): both backends against `reference.pooled_attention`.
 
 Inputs are drawn in float64, rounded to the tested dtype, and the oracle runs in float64 on the rounded values. Both
 backends read fp16/bf16/fp32 values exactly and accumulate in fp32 (fp64 input is computed in fp32 by Triton), so every
@@ -61,7 +61,7 @@ CASES = [
     Case((1,), 8, 2, 9, 70, 40, torch.float32),
 ]
 if DEVICE == "cuda":
-    # the LLaVA-OV-7B guidance shape (DESIGN.md §4), all 28 layers in one call
+    # the LLaVA-OV-7B guidance shape (docs/hermes.md §4), all 28 layers in one call
     CASES += [Case((28, 1), 28, 4, 40, 9150, 128, torch.float16), Case((28, 1), 28, 4, 40, 9150, 128, torch.bfloat16)]
 
 

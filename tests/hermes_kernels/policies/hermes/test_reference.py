@@ -1,4 +1,4 @@
-"""The oracle itself, checked against independent formulas and the properties DESIGN.md §2 promises."""
+"""The oracle itself, checked against independent formulas and the properties docs/hermes.md §2 promises."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Stage 2, smoothed scores S~ (DESIGN.md §2.3–2.4): both backends against `hermes.reference.hermes_scores`.
+"""Stage 2, smoothed scores S~ (docs/hermes.md §2.3–2.4): both backends against `reference.hermes_scores`.
 
 Scores are computed in attn's dtype (float32, or float64), so each dtype is held to its own tolerance. Every case
 runs the stage function on a poisoned output buffer and the public op; one launch per call on the Triton path.

@@ -1,4 +1,4 @@
-"""Stage 3, selection (DESIGN.md §2.5, eq. 6): both backends against `hermes.reference.select_keep`.
+"""Stage 3, selection (docs/hermes.md §2.5, eq. 6): both backends against the reference `select_keep`.
 
 The keep indices must equal the reference's exactly: on tie-free scores (`distinct_attention`), and on scores full
 of repeated values, where ties must go to the lower index as the reference's stable sort does. Outputs (keep and
