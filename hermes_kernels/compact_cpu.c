@@ -1,13 +1,13 @@
 /* Stage 4 on CPU: the row work of the in-place compaction (docs/hermes.md §2.6-2.8) in one pass over the cache.
  *
- * Called by hermes_kernels/rows.py (`move_rows_native`: HERMES's `compact_torch` and H2SVC's step on CPU tensors)
- * after the caller has planned everything small in torch: each kept token's source slot and rotation-table rows, the
- * deep layers' pruned slots and their table rows. This file only moves rows. Worker t of T takes the (layer, stream,
- * KV head) rows t, t + T, ... and walks each row's tokens left to right, writing kept token i's key, rotated by its
- * delta, and its value to slot P + i. In place is sound because slot P + i never lies right of its source
- * P + keep[i] (keep ascending): every slot left of the source being read has already been read. Deep rows merge their pruned slots into the same walk:
- * values summed, keys rotated to the summary target and summed (double accumulators; the caller divides and
- * writes the summary slot). Every cached row is read at most once and every kept row written once.
+ * Called by hermes_kernels/rows.py (`move_rows_native`: HERMES's `compact_torch` and H2SVC's step on CPU tensors) after
+ * the caller has planned everything small in torch: each kept token's source slot and rotation-table rows, the deep
+ * layers' pruned slots and their table rows. This file only moves rows. Worker t of T takes the (layer, stream, KV
+ * head) rows t, t + T, ... and walks each row's tokens left to right, writing kept token i's key, rotated by its delta,
+ * and its value to slot P + i. In place is sound because slot P + i never lies right of its source P + keep[i] (keep
+ * ascending): every slot left of the source being read has already been read. Deep rows merge their pruned slots into
+ * the same walk: values summed, keys rotated to the summary target and summed (double accumulators; the caller divides
+ * and writes the summary slot). Every cached row is read at most once and every kept row written once.
  *
  * Cache dtypes fp32 and bf16 (fp16 stays with the torch ops: its scalar conversions here did not vectorise and
  * ran slower than torch). Arithmetic is fp32 as in the reference: each element is widened exactly, rotated in
