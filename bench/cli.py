@@ -31,9 +31,9 @@ from .memory import peak_extra_bytes
 from .plot import plot_rows
 from .report import (Row, append_csv, commit_hash, device_kind, device_name, fill_floor_ratios, fill_speedups,
                      format_table)
+from .inputs import Spec, make_inputs
 from .shapes import BUDGETS, CHUNK_FRAMES, PREFIX_LEN, SHAPES, SMOKE_SHAPES, TOKENS_PER_FRAME, get_shape
-from .stages import (BACKENDS, STAGES, Spec, Unavailable, cache_bytes, make_inputs, stage_backends,
-                     stage_policy)
+from .stages import BACKENDS, STAGES, Unavailable, cache_bytes, stage_backends, stage_policy
 from .timing import copy_bandwidth, time_case
 
 RESULTS_DIR = Path(__file__).parent / "results"

@@ -21,7 +21,7 @@ import math
 import torch
 
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES
-from hermes.policies.h2svc.cache import class_capacity
+from hermes.policies.h2svc.blocks import class_capacity
 
 from .shapes import PREFIX_LEN, TOKENS_PER_FRAME, get_shape
 from .stages import cache_bytes

@@ -17,9 +17,10 @@ import torch
 
 from hermes_kernels.policies.hermes import reference
 
-from bench import cli, report, stages, stream_memory
+from bench import cli, inputs, report, stages, stream_memory
 from bench.shapes import SHAPES, SMOKE_SHAPES
-from bench.stages import STAGES, Spec, cache_bytes, floor_bytes, make_inputs, stage_backends, stage_policy
+from bench.inputs import Spec, make_inputs
+from bench.stages import STAGES, cache_bytes, floor_bytes, stage_backends, stage_policy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE_TOKENS_PER_FRAME = 32
@@ -63,7 +64,7 @@ def test_eager_pooled_attention_matches_reference():
 def test_synthetic_positions_look_like_a_streamed_cache(shape_name):
     spec = Spec(shape=SHAPES[shape_name], budget=300, chunk_frames=2, dtype=torch.float32,
                 device=torch.device("cpu"))
-    pos = stages.visual_positions(spec, torch.Generator().manual_seed(3))
+    pos = inputs.visual_positions(spec, torch.Generator().manual_seed(3))
     L, P, N = spec.shape.num_layers, spec.prefix_len, spec.num_tokens
     axes = pos.unsqueeze(2) if spec.shape.mrope_section is None else pos
     assert axes.shape == (L, 1, 1 if spec.shape.mrope_section is None else 3, N)
@@ -80,7 +81,7 @@ def test_synthetic_positions_look_like_a_streamed_cache(shape_name):
 
 
 def test_distinct_values_have_no_ties_and_no_zeros():
-    x = stages.distinct_values(torch.Generator().manual_seed(0), (3, 2, 1000), torch.device("cpu"))
+    x = inputs.distinct_values(torch.Generator().manual_seed(0), (3, 2, 1000), torch.device("cpu"))
     assert (x > 0).all()
     assert (x.sort(dim=-1).values.diff(dim=-1) > 0).all()
 

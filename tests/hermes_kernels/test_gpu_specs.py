@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from bench import kernels as guard_module
+from bench import ptx
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 from hermes_kernels import gpu_specs
 from hermes_kernels.policies.h2svc import step as step_kernels
@@ -139,18 +140,18 @@ def test_h2svc_step_spec_launches_what_a_step_of_every_class_block_launches(rein
 # ---- the pieces ----------------------------------------------------------------------------------------------------
 
 def test_occupancy_follows_the_calculator_rules():
-    h100 = guard_module.SM_MODELS[90]
+    h100 = ptx.SM_MODELS[90]
     # 128 regs x 32 threads = 4096 per warp: 16 warps fit the 64K register file, so one 16-warp block
-    assert guard_module.occupancy(128, 0, 16, h100) == (1, "regs")
+    assert ptx.occupancy(128, 0, 16, h100) == (1, "regs")
     # 32 regs, no smem, 4 warps: 16 blocks by registers and 16 by threads (2048 / 128); a tie names registers
-    assert guard_module.occupancy(32, 0, 4, h100) == (16, "regs")
+    assert ptx.occupancy(32, 0, 4, h100) == (16, "regs")
     # registers round up to 256 per warp: 33 regs -> 1280 per warp -> 51 warps -> 12 blocks of 4 warps
-    assert guard_module.occupancy(33, 0, 4, h100) == (12, "regs")
+    assert ptx.occupancy(33, 0, 4, h100) == (12, "regs")
     # 100 KB smem + 1 KB reserved per block: 2 blocks in 228 KB, 1 in the A100's 164 KB
-    assert guard_module.occupancy(32, 100 * 1024, 4, h100) == (2, "smem")
-    assert guard_module.occupancy(32, 100 * 1024, 4, guard_module.SM_MODELS[80]) == (1, "smem")
+    assert ptx.occupancy(32, 100 * 1024, 4, h100) == (2, "smem")
+    assert ptx.occupancy(32, 100 * 1024, 4, ptx.SM_MODELS[80]) == (1, "smem")
     # tiny kernels stop at 32 blocks per SM
-    assert guard_module.occupancy(16, 0, 1, h100) == (32, "blocks")
+    assert ptx.occupancy(16, 0, 1, h100) == (32, "blocks")
 
 
 def test_ptxas_log_parsing():
@@ -158,14 +159,14 @@ def test_ptxas_log_parsing():
            "ptxas info    : Function properties for _k\n"
            "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
            "ptxas info    : Used 128 registers, used 1 barriers, 16 bytes cumulative stack size\n")
-    assert guard_module.parse_ptxas_log(log) == {"registers": 128, "stack": 16, "spill_stores": 8,
+    assert ptx.parse_ptxas_log(log) == {"registers": 128, "stack": 16, "spill_stores": 8,
                                                  "spill_loads": 12}
     with pytest.raises(ValueError, match="log"):
-        guard_module.parse_ptxas_log("ptxas fatal : Unsupported .version")
+        ptx.parse_ptxas_log("ptxas fatal : Unsupported .version")
 
 
 def test_ptx_access_mix():
-    ptx = """
+    text = """
 	@%p3 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd13 + 0 ];
 	ld.global.L1::evict_last.v2.b64 { %rd1, %rd2 }, [ %rd3 + 0 ];
 	ld.global.nc.b32 %r5, [ %rd4 + 0 ];
@@ -174,7 +175,7 @@ def test_ptx_access_mix():
 	cp.async.cg.shared.global [ %r90 + 0 ], [ %rd26 + 0 ], 0x10, %r91;
 	ld.shared.v4.b32 { %r6, %r7, %r8, %r9 }, [ %r10 + 0 ];
 """
-    assert guard_module.global_access_mix(ptx) == {"ld": {16: 2, 4: 1}, "cp": {16: 1}, "st": {2: 1, 16: 1}}
+    assert ptx.global_access_mix(text) == {"ld": {16: 2, 4: 1}, "cp": {16: 1}, "st": {2: 1, 16: 1}}
 
 
 def test_recording_captures_launches_without_running_them():

@@ -47,52 +47,14 @@ import hermes_kernels as hk
 from hermes.cache import Forward, StreamCacheBase, layer_runs
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.dispatch import check_backend
+from hermes_kernels.dtypes import CACHE_DTYPES
 from hermes_kernels.policies.h2svc.checks import check_h2svc_step
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, H2SVCConfig, class_id
 from hermes_kernels.results import H2SVCChunkResult
 from hermes_kernels.rope import apply_rotary_delta
 
 from .attention import class_attention
-
-CLASSES = tuple(range(len(CLASS_NAMES)))
-
-
-def class_capacity(cfg: H2SVCConfig, cls, chunk_frames: int, room: int) -> int:
-    """Token slots per row of class `cls`: P + (W_c + chunk_frames)·T_f + room (module docstring)."""
-    return cfg.prefix_len + (cfg.window(cls) + chunk_frames) * cfg.tokens_per_frame + room
-
-
-@dataclasses.dataclass
-class _Block:
-    """The rows of one class whose layers `layers` live on one device (`rows`: their range in the class stack)."""
-
-    cls: int
-    device: torch.device
-    layers: range
-    rows: range
-    keys: torch.Tensor              # [n, B, capacity_c, D]
-    values: torch.Tensor            # [n, B, capacity_c, D]
-    positions: torch.Tensor         # int64 [n, B, capacity_c] or [n, B, 3, capacity_c]
-    slot_frames: torch.Tensor       # int64 [n, B, W_c]
-    features: torch.Tensor | None   # float32 [n, B, W_c, D] (EPISODIC), else None
-    inv_freq: torch.Tensor          # [D/2] on this device
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.positions, self.slot_frames, self.features) if t is not None]
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerPart:
-    """The heads of one class in one layer: `rows` of `block` (a slice), the layer's KV heads they are
-    (`kv_heads`) and the query heads that read them (`query_heads`, GQA groups of consecutive heads); each a
-    slice when contiguous, else an int64 index tensor on the block's device."""
-
-    cls: int
-    block: _Block
-    rows: slice
-    kv_heads: slice | torch.Tensor
-    query_heads: slice | torch.Tensor
-
+from .blocks import CLASSES, LayerPart, allocate_blocks, class_capacity, layer_parts
 
 @dataclasses.dataclass(kw_only=True)
 class ClassForward(Forward):
@@ -104,13 +66,6 @@ class ClassForward(Forward):
     frames: int
     extent: int
     delta: dict
-
-
-def _index(heads: list[int], device: torch.device) -> slice | torch.Tensor:
-    """A slice for consecutive ascending indices, else an int64 index tensor."""
-    if heads == list(range(heads[0], heads[-1] + 1)):
-        return slice(heads[0], heads[-1] + 1)
-    return torch.tensor(heads, dtype=torch.int64, device=device)
 
 
 class H2SVCCache(StreamCacheBase):
@@ -144,7 +99,7 @@ class H2SVCCache(StreamCacheBase):
         if num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_heads: {num_heads} query heads do not form GQA groups over "
                              f"{cfg.num_kv_heads} KV heads")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        if dtype not in CACHE_DTYPES:
             raise TypeError(f"dtype: expected a floating dtype for keys and values, got {dtype}")
         self.cfg = cfg
         self.num_heads = num_heads
@@ -155,42 +110,11 @@ class H2SVCCache(StreamCacheBase):
         self.capacities = tuple(class_capacity(cfg, c, chunk_frames, room) for c in CLASSES)
         self._init_stream(cfg.num_layers, batch_size, mrope_section)
         self.classes = tuple(c for c in CLASSES if cfg.num_rows(c))  # the non-empty classes
-        self.blocks: list[_Block] = []
-        for device, first, end in runs:
-            for c in self.classes:
-                lo, hi = cfg.layer_rows(c, first).start, cfg.layer_rows(c, end - 1).stop
-                if hi > lo:
-                    self.blocks.append(self._allocate(c, device, range(first, end), range(lo, hi), inv_freq))
-        group = num_heads // cfg.num_kv_heads
-        self._parts: list[list[LayerPart]] = []
-        for layer in range(cfg.num_layers):
-            parts = []
-            for block in self.blocks:
-                heads = cfg.heads_of(block.cls, layer) if layer in block.layers else []
-                if heads:
-                    rows = cfg.layer_rows(block.cls, layer)
-                    parts.append(LayerPart(
-                        cls=block.cls, block=block,
-                        rows=slice(rows.start - block.rows.start, rows.stop - block.rows.start),
-                        kv_heads=_index(heads, block.device),
-                        query_heads=_index([h * group + j for h in heads for j in range(group)], block.device)))
-            self._parts.append(parts)
+        self.blocks = allocate_blocks(cfg, runs, self.classes, self.capacities, batch_size=batch_size,
+                                      head_dim=head_dim, dtype=dtype, mrope=self.mrope, inv_freq=inv_freq)
+        self._parts = layer_parts(cfg, self.blocks, num_heads)
         self._devices = list(dict.fromkeys(block.device for block in self.blocks))
         self.reset()
-
-    def _allocate(self, cls: int, device: torch.device, layers: range, rows: range,
-                  inv_freq: torch.Tensor) -> _Block:
-        B, D, W, C = self._batch_size, self.head_dim, self.cfg.window(cls), self.capacities[cls]
-        n = len(rows)
-        return _Block(cls=cls, device=device, layers=layers, rows=rows,
-                      keys=torch.zeros((n, B, C, D), dtype=self.dtype, device=device),
-                      values=torch.zeros((n, B, C, D), dtype=self.dtype, device=device),
-                      positions=torch.zeros((n, B) + ((3,) if self.mrope else ()) + (C,), dtype=torch.int64,
-                                            device=device),
-                      slot_frames=torch.full((n, B, W), -1, dtype=torch.int64, device=device),
-                      features=(torch.zeros((n, B, W, D), dtype=torch.float64 if self.dtype == torch.float64
-                                            else torch.float32, device=device) if cls == EPISODIC else None),
-                      inv_freq=inv_freq.detach().to(device))
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property

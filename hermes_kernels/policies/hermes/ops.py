@@ -12,7 +12,7 @@ import torch
 
 from ...dispatch import pick, resolve_backend
 from ...results import CompressResult
-from . import compaction, pooling, scoring, select
+from . import compaction, compaction_triton, pooling, scoring, select
 from .checks import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep, check_layers,
                      check_pooled_attention, check_scores, check_stacks)
 from .config import HermesConfig
@@ -57,7 +57,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
     check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
     check_keep(keep, keys, cfg)
     check_compacted_flag(compacted_flag, keys)
-    impl = pick(backend, keys.device, compaction.compact_triton, compaction.compact_torch)
+    impl = pick(backend, keys.device, compaction_triton.compact_triton, compaction.compact_torch)
     return impl(keys, values, positions, keep, cfg, inv_freq, mrope_section, layers, compacted_flag)
 
 
@@ -111,7 +111,7 @@ def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequ
     flag = None if fused else compaction.reindex_flag([stack[3] for stack in stacks], cfg, attn.device)
     for layers, keys, values, positions, inv_freq in stacks:
         device = keys.device
-        impl = pick(backend, device, compaction.compact_triton, compaction.compact_torch)
+        impl = pick(backend, device, compaction_triton.compact_triton, compaction.compact_torch)
         length, decided = impl(keys, values, positions, keep[layers.start:layers.stop].to(device), cfg, inv_freq,
                                mrope_section, layers, None if fused else flag.to(device))
         flag = decided if fused else flag

@@ -20,6 +20,7 @@ from hermes.testing import tiny_llava_ov
 from hermes_kernels.policies.h2svc.config import H2SVCConfig, class_counts
 from hermes.policies.h2svc.head_map import load_head_map, save_head_map
 from hermes.policies.h2svc import profile as profiler
+from hermes.policies.h2svc import tad
 from hermes.policies.h2svc.head_map import FORMAT
 from hermes.policies.h2svc.profile import main, profile_heads
 from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores, tad_t2v, tad_v2v
@@ -186,7 +187,7 @@ def test_query_blocks_and_max_frames(loaded, files, monkeypatch):
     assert [rows for _, rows in blocks] == [prefix] * 4 + [4 * 16] * 4 + [2 * 16] * 4 + [question] * 4
     assert all(shape[:2] == (4, rows) for shape, rows in blocks)
     blocks.clear()
-    monkeypatch.setattr(profiler, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(tad, "BLOCK_BYTES", 1)
     by_rows = profile_heads(model, processor, [files["clip"]], max_frames=6, **args)
     assert {rows for _, rows in blocks} == {1} and len(blocks) == 4 * (prefix + 6 * 16 + question)
     assert_close_verbose(by_rows.v2v, whole.v2v, name="V2V by rows vs one block", **TAD_TOL)

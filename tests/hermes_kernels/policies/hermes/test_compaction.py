@@ -17,6 +17,7 @@ import torch
 import hermes_kernels as hk
 from hermes_kernels import native, rows
 from hermes_kernels.policies.hermes import compaction as compact_module
+from hermes_kernels.policies.hermes import compaction_triton
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import mrope_axis_of_freq, rotary_cos_sin
@@ -218,8 +219,8 @@ def test_lazy_threshold_is_strict(section, backend):
 def test_many_tiles_move_left_to_right(backend, monkeypatch):
     """Tiles far smaller than the cache: in-place safety across tile and chunk boundaries."""
     monkeypatch.setattr(rows, "TILE_ELEMENTS", 3 * 256)  # torch: 3 tokens per tile (L·B·Hkv·D = 256)
-    monkeypatch.setattr(compact_module, "_MOVE_TOKENS", 8)
-    monkeypatch.setattr(compact_module, "_CHUNK", 16)
+    monkeypatch.setattr(compaction_triton, "_MOVE_TOKENS", 8)
+    monkeypatch.setattr(compaction_triton, "_CHUNK", 16)
     for seed, case in enumerate([
             Case("qwen2_5_vl", 4, 2, 2, 16, 14, 67, 29, BF16, (2, 3, 3), "eager", True, "view"),
             Case("llava_ov", 4, 1, 1, 64, 3, 70, 50, F32, None, "lazy-below", True, "view")]):
