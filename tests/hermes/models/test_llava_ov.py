@@ -1,20 +1,14 @@
 """HermesStream on a tiny random LLaVA-OneVision (Qwen2 decoder, 1D RoPE): the shared integration checks of
-`tests/hermes/streams.py` plus the family's token layout."""
+the family's token layout."""
 import pytest
 import torch
 
 from hermes.testing import llava_pixels, tiny_llava_ov
 from hermes.models import family_of
 from hermes.models.llava_ov import LlavaOneVision
-from tests.hermes.streams import *  # noqa: F401,F403 (the shared checks are collected here)
-from tests.hermes.streams import CASES
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-
-@pytest.fixture
-def case():
-    return CASES["llava_ov"]
 
 
 def test_chunk_tokens_per_frame_without_newline():

@@ -1,20 +1,15 @@
 """HermesStream on a tiny random Qwen2.5-VL (M-RoPE): the shared integration checks of
-`tests/hermes/streams.py` plus the family's positions (built by us, not by `get_rope_index`)."""
+the family's positions (built by us, not by `get_rope_index`)."""
 import pytest
 import torch
 
 from hermes.testing import qwen_pixels, tiny_qwen2_5_vl, tiny_tokenizer
 from hermes.models.qwen2_5_vl import video_rel_positions
 from hermes.stream import HermesStream
-from tests.hermes.streams import *  # noqa: F401,F403 (the shared checks are collected here)
-from tests.hermes.streams import CASES, QUESTION, QWEN_FRAMES
+from tests.hermes.streams import QUESTION, QWEN_FRAMES
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-
-@pytest.fixture
-def case():
-    return CASES["qwen2_5_vl"]
 
 
 @pytest.mark.parametrize("grid,interval,start", [((2, 8, 8), 2.0, 15), ((3, 4, 6), 0.5, 7), ((1, 2, 2), 4.0, 0)])

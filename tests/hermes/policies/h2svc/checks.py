@@ -10,8 +10,7 @@ from hermes.testing import llava_pixels, qwen_pixels, tiny_tokenizer
 from hermes.attention import attention_implementation
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 from hermes.stream import HermesStream
-from tests.hermes.streams import CASES, QUESTION, reference_sequence  # noqa: F401 (re-exported to the H2SVC tests)
-from tests.utils import poison_, same_bytes
+from tests.utils import poison_
 
 # every layer but the last mixes two classes (one KV head each, GQA groups of two query heads); the last is
 # all episodic (one dense call over all heads)
@@ -36,11 +35,6 @@ def chunk(case, batch: int, g: torch.Generator, frames: int) -> dict:
         video, grid = qwen_pixels(batch, 2 * frames, g)
         return {"video": video, "grid_thw": grid, "seconds_per_grid": SECONDS_PER_GRID}
     return {"video": llava_pixels(batch, frames, g)}
-
-
-def merge(pair: list[dict]) -> dict:
-    """Two one-stream chunks as one chunk of a two-stream batch."""
-    return dict(pair[0], video=torch.cat([pair[0]["video"], pair[1]["video"]]))
 
 
 def h2svc_stream(case, model, frames: int, **kwargs) -> HermesStream:
@@ -73,23 +67,9 @@ def snapshot(stream) -> tuple:
     return cache._counters(), stream.stats(), list(stream.last_convs), stream.last_step, blocks
 
 
-def assert_unchanged(stream, before: tuple) -> None:
-    after = snapshot(stream)
-    assert after[:3] == before[:3]
-    assert after[3] is before[3]
-    for index, (now, then) in enumerate(zip(after[4], before[4])):
-        for name, x, y in zip(("keys", "values", "positions", "slot_frames", "features"), now, then):
-            assert same_bytes(x, y), f"block {index}: {name} changed"
-
-
 def whole_buffers(stream) -> list[torch.Tensor]:
     """Clones of every buffer of every block, free slots included."""
     return [t.clone() for block in stream.cache.blocks for t in block.buffers()]
-
-
-def assert_same_buffers(stream, before: list[torch.Tensor]) -> None:
-    for index, (now, then) in enumerate(zip(whole_buffers(stream), before)):
-        assert same_bytes(now, then), f"buffer {index} changed"
 
 
 # ---- the reference: explicit per-KV-head masks over the full sequence --------------------------------------

@@ -17,9 +17,9 @@ from hermes.testing import live_tensors
 from hermes.testing import tiny_llava_ov
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC
 from hermes_kernels.policies.h2svc import reference as ref
-from tests.hermes.policies.h2svc.checks import (CASES, INTERLEAVED_MAP, QUESTION, chunk, h2svc_stream,
-                                                masked_reference_logits, reference_sequence, window_masks)
-from tests.hermes.streams import reference_greedy, reference_logits, rope_at
+from tests.hermes.policies.h2svc.checks import (INTERLEAVED_MAP, chunk, h2svc_stream, masked_reference_logits,
+                                                window_masks)
+from tests.hermes.streams import CASES, QUESTION, reference_greedy, reference_logits, reference_sequence, rope_at
 from tests.utils import assert_close_verbose
 
 pytestmark = pytest.mark.usefixtures("single_thread")

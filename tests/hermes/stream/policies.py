@@ -1,0 +1,284 @@
+"""The policies under test by the shared stream checks (tests/hermes/stream/test_*.py), one entry per policy in
+`POLICIES`: how to build a stream whose free slots are poisoned, what a failed call must leave untouched, how two
+streams are compared, which faults to inject and how to make the in-place step fail in the middle of its writes.
+
+Every shared check runs once per policy and model family (`policy` x `case` fixtures in conftest-free form: the
+test modules parametrise over `POLICIES` and `CASES`), so a behaviour the front promises for every policy is
+written once.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import torch
+
+import hermes_kernels as hk
+from hermes.policies.h2svc.cache import H2SVCCache
+from hermes.stream import HermesStream
+from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC
+from hermes_kernels.policies.hermes import compaction
+from tests.hermes.policies.h2svc.checks import h2svc_stream
+from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
+from tests.hermes.policies.h2svc.checks import whole_buffers as h2svc_buffers
+from tests.hermes.streams import QUESTION, make_stream
+from tests.hermes.streams import snapshot as hermes_snapshot
+from tests.utils import assert_close_verbose, same_bytes
+
+ERRORS = {"oom": torch.OutOfMemoryError, "interrupt": KeyboardInterrupt}
+H2SVC_WINDOWS = dict(instant_frames=1, short_frames=2, episodic_frames=3)  # every chunk after the second evicts
+
+
+def vision_tower(model):
+    return getattr(model.model, "vision_tower", None) or model.model.visual
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected failure of `append_video`: `phase` raising `error` (ValueError: the step's own validation
+    refuses), on a stream built with `stream_kwargs`."""
+
+    phase: str
+    error: type
+    stream_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        extra = "-".join(f"{k}={v}" for k, v in self.stream_kwargs.items())
+        name = "valueerror" if self.error is ValueError else next(k for k, v in ERRORS.items() if v is self.error)
+        return "-".join(filter(None, (self.phase.replace(" ", "_"), name, extra)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCase:
+    """One policy as the shared checks drive it (module docstring).
+
+    stream(case, model, **kw): a stream of the policy on the family `case` with poisoned free slots.
+    warm: chunks to append before the next one runs the policy's step (HERMES: until the budget is reached).
+    fault_kwargs: stream arguments of the fault tests; faults: the `Fault`s `append_video` is tested with.
+    state(stream) / buffers(stream): what a failed call must leave as it was (valid slots, counters, stats, history,
+        the last step) / every buffer, free slots included (bad input must leave even those).
+    same_rows(a, b, stream_a, stream_b): the valid slots of stream a of `a` equal those of stream b of `b`.
+    same_result(r0, r1): two step results agree.
+    step_fails(monkeypatch): a context in which the policy's in-place step raises after it began writing.
+    guidance: the policy runs a guidance pass (`HermesStream.guidance_scores`).
+    every_chunk: the policy steps after every chunk (else only once a chunk passes the budget).
+    check_lockstep(batch, alone): a policy's own check of two streams in lockstep, or None.
+    """
+
+    name: str
+    stream: Callable
+    warm: int
+    fault_kwargs: dict
+    faults: tuple
+    state: Callable
+    buffers: Callable
+    same_rows: Callable
+    same_result: Callable
+    step_fails: Callable
+    guidance: bool
+    every_chunk: bool
+    check_lockstep: Callable | None = None
+
+
+# ---- HERMES ----------------------------------------------------------------------------------------------------
+def _hermes_stream(case, model, **kwargs) -> HermesStream:
+    return make_stream(case, model, **{"budget": 40, **kwargs})
+
+
+def _hermes_state(stream) -> tuple:
+    (length, *tensors) = hermes_snapshot(stream)
+    return (length, stream.stats(), list(stream.last_convs)), stream.last_step, tensors
+
+
+def _hermes_buffers(stream) -> list[torch.Tensor]:
+    cache = stream.cache
+    return [t.clone() for s in cache._stacks for t in (s.keys, s.values, s.positions)] + [cache.guidance_attn.clone()]
+
+
+def _hermes_same_rows(a, b, stream_a: int, stream_b: int) -> None:
+    assert a.cache.length == b.cache.length
+    for layer in range(a.cfg.num_layers):
+        assert torch.equal(a.cache.layer_positions(layer)[stream_a], b.cache.layer_positions(layer)[stream_b])
+        for name in ("keys", "values"):
+            x, y = (getattr(s.cache, f"layer_{name}")(layer)[i] for s, i in ((a, stream_a), (b, stream_b)))
+            assert_close_verbose(x, y, name=f"{name} of layer {layer}")
+
+
+def _hermes_same_result(r0, r1) -> bool:
+    return (r0 is None) == (r1 is None) and (r0 is None or torch.equal(r0.keep, r1.keep))
+
+
+@contextlib.contextmanager
+def _hermes_step_fails(monkeypatch):
+    compact = compaction.compact_torch
+
+    def fails_after_writing(*args, **kwargs):
+        compact(*args, **kwargs)
+        raise torch.OutOfMemoryError("injected after the rows moved")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(compaction, "compact_torch", fails_after_writing)
+        yield
+
+
+# every phase with both errors, fused; the separate guidance pass adds a second forward after the prefill, so the
+# phases from the last layer on also run with it (vision and layer 0 fail the same forward either way)
+HERMES_FAULTS = tuple(Fault(phase, ERRORS[error], {} if mode == "fused" else {"fused_guidance": False})
+                      for phase in ("vision", "first layer", "last layer", "guidance") for error in ERRORS
+                      for mode in ("fused", "separate") if mode == "fused" or phase in ("last layer", "guidance")) + \
+    (Fault("scores validation", ValueError), Fault("scores validation", ValueError, {"fused_guidance": False}))
+
+
+# ---- H2SVC -----------------------------------------------------------------------------------------------------
+def _h2svc_stream(case, model, **kwargs) -> HermesStream:
+    return h2svc_stream(case, model, 2, **{**H2SVC_WINDOWS, **kwargs})
+
+
+def _h2svc_state(stream) -> tuple:
+    counters, stats, convs, last_step, blocks = h2svc_snapshot(stream)
+    return (counters, stats, convs), last_step, blocks
+
+
+def _h2svc_same_rows(a, b, stream_a: int, stream_b: int) -> None:
+    for layer in range(a.cfg.num_layers):
+        for cls in range(len(CLASS_NAMES)):
+            if not a.cfg.heads_of(cls, layer):
+                continue
+            for name in ("slot_frames", "positions"):
+                view = getattr(H2SVCCache, f"class_{name}")
+                assert torch.equal(view(a.cache, cls, layer)[stream_a], view(b.cache, cls, layer)[stream_b]), \
+                    (name, cls, layer)
+            for name in ("keys", "values"):
+                view = getattr(H2SVCCache, f"class_{name}")
+                assert_close_verbose(view(a.cache, cls, layer)[stream_a], view(b.cache, cls, layer)[stream_b],
+                                     name=f"{name} {CLASS_NAMES[cls]} {layer}")
+            if cls == EPISODIC:
+                held = a.cache.held["episodic"]
+                assert torch.equal(a.cache.class_features(layer)[stream_a, :, :held],
+                                   b.cache.class_features(layer)[stream_b, :, :held])
+
+
+@contextlib.contextmanager
+def _h2svc_step_fails(monkeypatch):
+    step, calls = hk.h2svc_step, []
+
+    def fails_after_the_first_block(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected after the first block moved")
+        return step(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hk, "h2svc_step", fails_after_the_first_block)
+        yield
+
+
+def _h2svc_kept_frames_differ(batch, alone) -> None:
+    """STCE's keep sets are per (row, stream): over rows and streams the episodic frames kept are not all equal."""
+    kept = [stream.cache.class_slot_frames(EPISODIC, layer)[0].sort(-1).values for stream in alone
+            for layer in range(batch.cfg.num_layers) if batch.cfg.heads_of(EPISODIC, layer)]
+    assert any(not torch.equal(x, kept[0]) for x in kept), "STCE kept the same frames everywhere"
+
+
+H2SVC_FAULTS = tuple(Fault(phase, ERRORS[error]) for phase in ("vision", "first layer", "last layer")
+                     for error in ERRORS) + (Fault("values validation", ValueError),)
+
+
+POLICIES = {
+    "hermes": PolicyCase(name="hermes", stream=_hermes_stream, warm=2, fault_kwargs=dict(budget=64, room=70),
+                         faults=HERMES_FAULTS, state=_hermes_state, buffers=_hermes_buffers,
+                         same_rows=_hermes_same_rows, same_result=_hermes_same_result,
+                         step_fails=_hermes_step_fails, guidance=True, every_chunk=False),
+    "h2svc": PolicyCase(name="h2svc", stream=_h2svc_stream, warm=3, fault_kwargs={}, faults=H2SVC_FAULTS,
+                        state=_h2svc_state, buffers=h2svc_buffers, same_rows=_h2svc_same_rows,
+                        same_result=lambda r0, r1: r0 == r1, step_fails=_h2svc_step_fails, guidance=False,
+                        every_chunk=True, check_lockstep=_h2svc_kept_frames_differ),
+}
+
+
+# ---- what the checks share ----------------------------------------------------------------------------------
+def assert_state(policy: PolicyCase, stream, before: tuple) -> None:
+    """`stream` is as `policy.state` recorded it: host state equal, the same last step object, valid slots byte
+    for byte (NaN poison included)."""
+    host, last_step, tensors = policy.state(stream)
+    assert host == before[0]
+    assert last_step is before[1]
+    for index, (now, then) in enumerate(zip(tensors, before[2])):
+        for x, y in zip(now, then):
+            assert same_bytes(x, y), f"tensor group {index} changed"
+
+
+def assert_same_buffers(policy: PolicyCase, stream, before: list[torch.Tensor]) -> None:
+    for index, (now, then) in enumerate(zip(policy.buffers(stream), before)):
+        assert same_bytes(now, then), f"buffer {index} changed"
+
+
+def assert_same_stream(policy: PolicyCase, a, b) -> None:
+    """Same stats, history and valid slots; the same logits for the next question."""
+    assert a.stats() == b.stats() and a.last_convs == b.last_convs
+    assert a.cache._counters() == b.cache._counters()
+    for index in range(a.batch_size):
+        policy.same_rows(a, b, index, index)
+    assert torch.equal(a.next_token_logits(QUESTION), b.next_token_logits(QUESTION))
+
+
+@contextlib.contextmanager
+def fault(model, phase: str, error: type, monkeypatch, after: int = 0):
+    """Make `phase` fail with `error` on its (after + 1)-th run: the vision tower, decoder layer 0 (before its
+    cache write), the last decoder layer (after its cache write), the pooled guidance attention (after the kernel
+    wrote its scores), or the step's validation: "scores validation" makes the pooled attention non-finite (the
+    HERMES step refuses it), "values validation" the last layer's values (an H2SVC episodic head's arriving
+    frames, refused by the step)."""
+    runs = [0]
+
+    def raiser(*args, **kwargs):
+        runs[0] += 1
+        if runs[0] > after:
+            raise error(f"injected into {phase}")
+
+    layers = model.model.language_model.layers
+    hooks, pooled = [], hk.pooled_attention
+    with monkeypatch.context() as patch:
+        if phase == "vision":
+            hooks.append(vision_tower(model).register_forward_pre_hook(raiser))
+        elif phase == "first layer":
+            hooks.append(layers[0].register_forward_pre_hook(raiser))
+        elif phase == "last layer":
+            hooks.append(layers[-1].mlp.register_forward_pre_hook(raiser))
+        elif phase == "guidance":
+            patch.setattr(hk, "pooled_attention", lambda *a, **k: (pooled(*a, **k), raiser())[0])
+        elif phase == "scores validation":
+            patch.setattr(hk, "pooled_attention", lambda *a, **k: pooled(*a, **k).fill_(float("nan")))
+        elif phase == "values validation":
+            hooks.append(layers[-1].self_attn.v_proj.register_forward_hook(
+                lambda module, args, out: out.fill_(float("nan"))))
+        else:
+            raise ValueError(phase)
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
+def warmed_pair(policy: PolicyCase, case, model, g, batch: int = 1, **kwargs) -> tuple:
+    """Two streams of `policy` fed the same `policy.warm` chunks: the next chunk runs the policy's step."""
+    streams = tuple(policy.stream(case, model, batch_size=batch, **kwargs) for _ in range(2))
+    for _ in range(policy.warm):
+        clip = case.chunk(batch, g)
+        for stream in streams:
+            assert (stream.append_video(**clip) is None) is not policy.every_chunk
+    return streams
+
+
+def lockstep_and_alone(policy: PolicyCase, case, model, clips: list) -> tuple:
+    """A two-stream batch and two single streams of `policy` fed the same clips (one pair per chunk)."""
+    batch = policy.stream(case, model, batch_size=2)
+    alone = [policy.stream(case, model) for _ in range(2)]
+    for pair in clips:
+        batch.append_video(**dict(pair[0], video=torch.cat([pair[0]["video"], pair[1]["video"]])))
+        for b, stream in enumerate(alone):
+            stream.append_video(**pair[b])
+    return batch, alone
