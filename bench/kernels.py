@@ -46,6 +46,8 @@ from triton.runtime.cache import get_cache_key
 from triton.runtime.jit import create_function_from_signature
 
 from hermes_kernels import gpu_specs
+from hermes_kernels.policies.h2svc.gpu_case import H2SVCCase
+from hermes_kernels.policies.hermes.gpu_case import HermesCase
 from hermes_kernels.launch import recording
 
 from .shapes import BUDGETS, CHUNK_FRAMES, SHAPES, TOKENS_PER_FRAME, ModelShape
@@ -72,21 +74,21 @@ def _with_head_dim(shape: ModelShape, head_dim: int) -> ModelShape:
     return dataclasses.replace(shape, name=f"{shape.name}[D={head_dim}]", head_dim=head_dim, mrope_section=section)
 
 
-def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int = 1) -> gpu_specs.SpecCase:
+def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int = 1) -> HermesCase:
     cfg = shape.config(budget, reindex="eager" if reindex == "given" else reindex)
     chunk = CHUNK_FRAMES * TOKENS_PER_FRAME
     label = f"{shape.name} {dtype} b{budget} {reindex}" + (f" B={batch}" if batch > 1 else "")
-    return gpu_specs.SpecCase(label=label, num_layers=shape.num_layers, num_heads=shape.num_heads,
+    return HermesCase(label=label, num_layers=shape.num_layers, num_heads=shape.num_heads,
                     num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mrope_section=shape.mrope_section,
                     dtype=_DTYPES[dtype], cfg=cfg, chunk_tokens=chunk, capacity=cfg.prefix_len + budget + chunk + _ROOM,
                     guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
 
 
 def _h2svc_case(shape: ModelShape, dtype: str, chunk_frames: int, reindex: bool,
-                batch: int = 1) -> gpu_specs.H2SVCCase:
+                batch: int = 1) -> H2SVCCase:
     label = (f"{shape.name} h2svc {dtype} F{chunk_frames} {'reindex' if reindex else 'no-reindex'}"
              + (f" B={batch}" if batch > 1 else ""))
-    return gpu_specs.H2SVCCase(label=label, head_dim=shape.head_dim, mrope_section=shape.mrope_section,
+    return H2SVCCase(label=label, head_dim=shape.head_dim, mrope_section=shape.mrope_section,
                                dtype=_DTYPES[dtype], cfg=shape.h2svc_config(), chunk_frames=chunk_frames,
                                reindex=reindex, batch=batch)
 
@@ -95,7 +97,7 @@ def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None,
                policies: list[str] | None = None) -> list:
     """The cases every spec is driven at (each spec at the cases of its type).
 
-    HERMES (`SpecCase`; 16-frame chunks, the stream's default room, one stream unless said): the 7B shapes
+    HERMES (`HermesCase`; 16-frame chunks, the stream's default room, one stream unless said): the 7B shapes
     (LLaVA-OV 1D, Qwen2.5-VL M-RoPE) x fp16/bf16/fp32 x budgets 6000/4000 x re-index lazy/eager/given; head dims
     64 and 256 (LLaVA-OV-0.5B, and the 7B shapes at D = 64 / 256) x each dtype at budget 6000, lazy; the 7B shapes
     with two streams (fp16, 6000, lazy: B = 1 is specialised as a constant, so B > 1 compiles apart).

@@ -24,6 +24,8 @@ from bench import kernels as guard_module
 from bench import ptx
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 from hermes_kernels import gpu_specs
+from hermes_kernels.policies.h2svc.gpu_case import H2SVCCase
+from hermes_kernels.policies.hermes.gpu_case import HermesCase
 from hermes_kernels.policies.h2svc import step as step_kernels
 from hermes_kernels.launch import launch, launch_count, recording
 from tests.utils import REPO
@@ -86,7 +88,7 @@ def test_row_moves_are_16_byte_vectors(guard):
 
 
 def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
-    cases = [c for c in guard_module.spec_cases() if isinstance(c, gpu_specs.SpecCase)]
+    cases = [c for c in guard_module.spec_cases() if isinstance(c, HermesCase)]
     seen = {(c.dtype, c.mrope_section is not None, c.head_dim) for c in cases}
     assert seen == {(dtype, mrope, dim) for dtype in (torch.float16, torch.bfloat16, torch.float32)
                     for mrope in (False, True) for dim in (64, 128, 256)}
@@ -97,7 +99,7 @@ def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
 
 
 def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
-    cases = [c for c in guard_module.spec_cases() if isinstance(c, gpu_specs.H2SVCCase)]
+    cases = [c for c in guard_module.spec_cases() if isinstance(c, H2SVCCase)]
     seen = {(c.dtype, c.mrope_section is not None, c.head_dim, c.reindex) for c in cases}
     assert seen == {(dtype, mrope, dim, reindex) for dtype in (torch.float16, torch.bfloat16, torch.float32)
                     for mrope in (False, True) for dim in (64, 128, 256) for reindex in (False, True)}
@@ -109,7 +111,7 @@ def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
     # the default (depth-order) head map: every class has rows, so every block kind is driven
     assert all(not c.cfg.profiled and c.classes == (INSTANT, SHORT, EPISODIC) for c in cases)
     assert guard_module.spec_cases(policies=["hermes"]) == [c for c in guard_module.spec_cases()
-                                                            if isinstance(c, gpu_specs.SpecCase)]
+                                                            if isinstance(c, HermesCase)]
 
 
 @pytest.mark.parametrize("reindex", [True, False])
@@ -220,7 +222,7 @@ def test_coverage_rules(monkeypatch):
     case_type = types.SimpleNamespace
     specs = [gpu_specs.GpuSpec("fake.spec", (covered, named_only), drive, 0, case_type),
              gpu_specs.GpuSpec("fake.host", (host,), reads_the_device, 0, case_type),
-             gpu_specs.GpuSpec("fake.h2svc", (named_only,), other_policy, 0, gpu_specs.H2SVCCase)]
+             gpu_specs.GpuSpec("fake.h2svc", (named_only,), other_policy, 0, H2SVCCase)]
     monkeypatch.setattr(gpu_specs, "registered_specs", lambda: specs)
     monkeypatch.setattr(gpu_specs, "jit_kernels", lambda: {gpu_specs.kernel_name(k): k
                                                            for k in (covered, unspecced, named_only, host)})

@@ -50,12 +50,13 @@ import triton.language as tl
 
 from ... import native, rows
 from ...dtypes import TRITON_WORK, work_dtype
-from ...gpu_specs import H2SVCCase, gpu_spec
+from ...gpu_specs import gpu_spec
 from ...launch import launch
 from . import features as _features
 from . import stce as _stce
 from .checks import check_arriving_features
 from .config import EPISODIC, H2SVCConfig
+from .gpu_case import H2SVCCase
 
 __all__ = ["h2svc_step_torch", "h2svc_step_triton", "plan_step", "RowWork", "fifo_keep_mask", "slot_plan"]
 

@@ -17,8 +17,9 @@ import triton.language as tl
 
 from ... import rows
 from ...dtypes import TRITON_WORK, work_dtype
-from ...gpu_specs import SpecCase, gpu_spec
+from ...gpu_specs import gpu_spec
 from ...launch import launch
+from .gpu_case import HermesCase
 from .config import DEEP, HermesConfig
 
 __all__ = ["compact_triton"]
@@ -379,8 +380,8 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     return P + min(cfg.budget, V), flag
 
 
-@gpu_spec(_rank_kernel, _plan_kernel, _move_kernel, max_spill_bytes=0)
-def _gpu_spec(case: SpecCase) -> None:
+@gpu_spec(_rank_kernel, _plan_kernel, _move_kernel, case=HermesCase, max_spill_bytes=0)
+def _gpu_spec(case: HermesCase) -> None:
     """The step's compaction of the cache views, with the case's re-index trigger."""
     keys, values, positions = case.cache()
     compact_triton(keys, values, positions, case.keep(), case.cfg, case.inv_freq(), case.mrope_section, None,

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_specs import SpecCase, gpu_spec
+from ...gpu_specs import gpu_spec
 from ...launch import launch
+from .gpu_case import HermesCase
 from .config import HermesConfig
 
 # digits of the threshold decided per sweep of a row: 32/4 = 8 sweeps for fp32 keys, 16 for fp64
@@ -191,8 +192,8 @@ def select_keep_triton(scores: torch.Tensor, cfg: HermesConfig, out: torch.Tenso
     return (out, dest_out) if with_destination else out
 
 
-@gpu_spec(_select_keep_kernel, max_spill_bytes=0)
-def _gpu_spec(case: SpecCase) -> None:
+@gpu_spec(_select_keep_kernel, case=HermesCase, max_spill_bytes=0)
+def _gpu_spec(case: HermesCase) -> None:
     """The step's selection launch (keep only), and the variant that also writes the destination map."""
     select_keep_triton(case.scores(), case.cfg)
     select_keep_triton(case.scores(), case.cfg, with_destination=True)

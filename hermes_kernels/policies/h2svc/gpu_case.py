@@ -1,0 +1,72 @@
+"""The H2SVC case the GPU compile guard drives the kernels' launchers at (`hermes_kernels.gpu_specs`): every class
+block of one step, as meta tensors laid out as the cache hands them over."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from ...gpu_specs import meta
+from .config import EPISODIC, INSTANT, SHORT, H2SVCConfig
+
+
+class H2SVCBlock(NamedTuple):
+    """One class block as `hk.h2svc_step` takes it (meta tensors); features is None for a FIFO class."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    slot_frames: torch.Tensor
+    features: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class H2SVCCase:
+    """One H2SVC streaming step the launchers are driven at: every class block of a model (the config's head map)
+    with a full memory (held = W frames in the home slots) and a just-prefilled chunk of F frames behind it, in one
+    cache dtype, re-indexing on or off (the caller's decision for the step).
+
+    Blocks are laid out as the engine interface, docs/h2svc.md §7 and bench/stages.py's `ClassBlock` lay them out: keys
+    / values [H_c, B, C, D] with C = P + (W + F)·T_f, positions int64 [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE),
+    slot_frames int64 [H_c, B, W], features float32 [H_c, B, W, D] (EPISODIC only). The stream has seen 2·N_e
+    frames before the chunk, and a re-indexing step aligns to next_position = P + (largest window)·T_f, as the
+    benchmark's step does.
+    """
+
+    label: str
+    head_dim: int
+    mrope_section: tuple[int, int, int] | None
+    dtype: torch.dtype
+    cfg: H2SVCConfig
+    chunk_frames: int
+    reindex: bool
+    batch: int = 1
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        """The classes that have rows in the head map, in INSTANT, SHORT, EPISODIC order."""
+        return tuple(c for c in (INSTANT, SHORT, EPISODIC) if self.cfg.num_rows(c))
+
+    @property
+    def first_frame(self) -> int:
+        """Stream index of the chunk's first frame (newer than every held frame)."""
+        return 2 * self.cfg.window(EPISODIC)
+
+    @property
+    def next_position(self) -> int:
+        """The re-index target R: P + the largest retained visual token count over the classes."""
+        return self.cfg.prefix_len + max(self.cfg.window(c) for c in self.classes) * self.cfg.tokens_per_frame
+
+    def block(self, cls: int) -> H2SVCBlock:
+        """The state of class `cls`'s block at the start of the step (after the chunk's prefill)."""
+        H, B, D, W = self.cfg.num_rows(cls), self.batch, self.head_dim, self.cfg.window(cls)
+        C = self.cfg.prefix_len + (W + self.chunk_frames) * self.cfg.tokens_per_frame
+        axes = () if self.mrope_section is None else (3,)
+        features = meta(H, B, W, D) if cls == EPISODIC else None
+        return H2SVCBlock(meta(H, B, C, D, dtype=self.dtype), meta(H, B, C, D, dtype=self.dtype),
+                          meta(H, B, *axes, C, dtype=torch.int64), meta(H, B, W, dtype=torch.int64), features)
+
+    def inv_freq(self) -> torch.Tensor:
+        """float32 [D/2] rotary inverse frequencies."""
+        return meta(self.head_dim // 2)

@@ -1,0 +1,85 @@
+"""The HERMES case the GPU compile guard drives the kernels' launchers at (`hermes_kernels.gpu_specs`): one
+compression step's tensors, as meta tensors laid out as the streaming cache hands them over."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...gpu_specs import meta
+from .config import HermesConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class HermesCase:
+    """One compression step the launchers are driven at: model geometry, cache dtype, budget and chunk.
+
+    The tensors are laid out as `hermes.policies.hermes.cache.HermesCache` and `hermes.stream` hand them to the kernels:
+    K/V and positions are views `[..., :N]` of buffers with `capacity` slots, the pooled attention a view of the cache's
+    `guidance_attn` [L, B, capacity], the guidance queries a head-transposed view of a [B, Q, H, D] projection.
+    reindex: "eager" / "lazy" (the config's trigger, decided on the device) or "given" (a caller-made flag, as
+    `compress_stacks` passes for a cache split over devices).
+    """
+
+    label: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mrope_section: tuple[int, int, int] | None
+    dtype: torch.dtype
+    cfg: HermesConfig
+    chunk_tokens: int
+    capacity: int
+    guidance_tokens: tuple[int, ...]
+    reindex: str
+    batch: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        """N = prefix + budget + chunk: the cache length at the start of a step."""
+        return self.cfg.prefix_len + self.cfg.budget + self.chunk_tokens
+
+    @property
+    def num_visual(self) -> int:
+        """V = N - prefix."""
+        return self.num_tokens - self.cfg.prefix_len
+
+    empty = staticmethod(meta)
+
+    def cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """keys, values [L, B, Hkv, N, D] and int64 positions [L, B, N] / [L, B, 3, N], views of the buffers."""
+        L, B, Hkv, D, N = self.num_layers, self.batch, self.num_kv_heads, self.head_dim, self.num_tokens
+        keys = self.empty(L, B, Hkv, self.capacity, D, dtype=self.dtype)[..., :N, :]
+        values = self.empty(L, B, Hkv, self.capacity, D, dtype=self.dtype)[..., :N, :]
+        axes = () if self.mrope_section is None else (3,)
+        positions = self.empty(L, B, *axes, self.capacity, dtype=torch.int64)[..., :N]
+        return keys, values, positions
+
+    def guidance_attn(self) -> torch.Tensor:
+        """float32 [L, B, V]: the view of the cache's pooled-attention buffer a step is given."""
+        return self.empty(self.num_layers, self.batch, self.capacity)[..., :self.num_visual]
+
+    def scores(self) -> torch.Tensor:
+        """float32 [L, B, V] as the scoring stage returns it (contiguous)."""
+        return self.empty(self.num_layers, self.batch, self.num_visual)
+
+    def keep(self) -> torch.Tensor:
+        """int64 [L, B, min(budget, V)] as the selection stage returns it (contiguous)."""
+        return self.empty(self.num_layers, self.batch, min(self.cfg.budget, self.num_visual), dtype=torch.int64)
+
+    def inv_freq(self) -> torch.Tensor:
+        """float32 [D/2] rotary inverse frequencies."""
+        return self.empty(self.head_dim // 2)
+
+    def compacted_flag(self) -> torch.Tensor | None:
+        """The caller's 0-dim bool re-index decision when `reindex` is "given", else None."""
+        return self.empty(dtype=torch.bool) if self.reindex == "given" else None
+
+    def guidance(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, H, Q, D] (transposed view of a [B, Q, H, D] projection) and k [B, Hkv, N + Q, D] (one layer of the
+        cache buffer: the cache followed by the prompt's own keys), in the cache dtype."""
+        B, H, Hkv, D = self.batch, self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.empty(B, q_len, H, D, dtype=self.dtype).transpose(1, 2)
+        k = self.empty(B, Hkv, self.capacity, D, dtype=self.dtype)[:, :, :self.num_tokens + q_len]
+        return q, k
