@@ -5,20 +5,10 @@ import pytest
 import torch
 
 from tests.hermes.policies.h2svc.checks import chunk as frames_chunk
-from tests.hermes.stream.policies import POLICIES, assert_same_buffers, assert_state
-from tests.hermes.streams import CASES, refuse_bad_questions
+from tests.hermes.stream.policies import assert_same_buffers, assert_state
+from tests.hermes.streams import refuse_bad_questions
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(params=list(CASES))
-def case(request):
-    return CASES[request.param]
-
-
-@pytest.fixture(params=list(POLICIES))
-def policy(request):
-    return POLICIES[request.param]
 
 
 def test_bad_input_raises_and_leaves_every_buffer_unchanged(case, policy):

@@ -15,22 +15,12 @@ import pytest
 import torch
 
 from tests.hermes.stream.policies import (ERRORS, POLICIES, assert_same_stream, assert_state, fault, warmed_pair)
-from tests.hermes.streams import CASES, QUESTION
+from tests.hermes.streams import QUESTION
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 POLICY_FAULTS = [pytest.param(POLICIES[name], f, id=f"{name}-{f.id}") for name in POLICIES
                  for f in POLICIES[name].faults]
-
-
-@pytest.fixture(params=list(CASES))
-def case(request):
-    return CASES[request.param]
-
-
-@pytest.fixture(params=list(POLICIES))
-def policy(request):
-    return POLICIES[request.param]
 
 
 def scored_layers(stream) -> int:

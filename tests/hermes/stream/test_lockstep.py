@@ -8,23 +8,13 @@ prefill and of every decode step. So each stream's logits and greedy answer equa
 import pytest
 import torch
 
-from tests.hermes.stream.policies import POLICIES, lockstep_and_alone
-from tests.hermes.streams import CASES, QUESTION
+from tests.hermes.stream.policies import lockstep_and_alone
+from tests.hermes.streams import QUESTION
 from tests.utils import assert_close_verbose
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 QUESTIONS = ["yes", QUESTION + " where is the red cup ?"]
-
-
-@pytest.fixture(params=list(CASES))
-def case(request):
-    return CASES[request.param]
-
-
-@pytest.fixture(params=list(POLICIES))
-def policy(request):
-    return POLICIES[request.param]
 
 
 def test_lockstep_batch_matches_streams_alone(case, policy):

@@ -2,20 +2,10 @@
 import pytest
 import torch
 
-from tests.hermes.stream.policies import POLICIES, assert_same_stream
-from tests.hermes.streams import CASES, QUESTION
+from tests.hermes.stream.policies import assert_same_stream
+from tests.hermes.streams import QUESTION
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(params=list(CASES))
-def case(request):
-    return CASES[request.param]
-
-
-@pytest.fixture(params=list(POLICIES))
-def policy(request):
-    return POLICIES[request.param]
 
 
 def test_reset_starts_a_new_video_in_the_same_buffers(case, policy):

@@ -9,24 +9,13 @@ go wrong; the per-thread one keeps both right. After the barrier phase the threa
 import pytest
 import torch
 
-from tests.hermes.stream.policies import POLICIES
-from tests.hermes.streams import CASES, QUESTION, run_in_two_threads
+from tests.hermes.streams import QUESTION, run_in_two_threads
 from tests.utils import same_bytes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 CHUNKS = 5
 ASK_AT = 2
-
-
-@pytest.fixture(params=list(CASES))
-def case(request):
-    return CASES[request.param]
-
-
-@pytest.fixture(params=list(POLICIES))
-def policy(request):
-    return POLICIES[request.param]
 
 
 def drive(policy, stream, chunks, question) -> dict:
