@@ -409,7 +409,8 @@ class H2SVCCache(StreamCacheBase):
         cfg, F, first = self.cfg, self._arrived, self._frames_seen
         largest = self._next_position + self._pending_extent  # the chunk's largest position (host)
         reindex = cfg.needs_reindex(largest)
-        held_after = [min(cfg.window(c), self._held[c] + F) for c in CLASSES]
+        # a class without heads holds nothing (its count stays 0, as `held` reports it)
+        held_after = [min(cfg.window(c), self._held[c] + F) if c in self.classes else 0 for c in CLASSES]
         # R (§4): every row's retained frames end at R - 1 after a re-index, R - 1 >= the largest one held
         next_position = cfg.prefix_len + max(held_after[c] for c in self.classes) * cfg.tokens_per_frame
         calls = []

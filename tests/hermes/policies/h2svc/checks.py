@@ -120,6 +120,34 @@ def window_masks(cfg, frames: int, question_len: int) -> dict[int, torch.Tensor]
     return masks
 
 
+def retention_masks(cfg, chunk_frames: int, episodic_held: list[dict[int, list[set[int]]]],
+                    question_len: int) -> dict[int, torch.Tensor]:
+    """`window_masks` of a stream whose episodic heads evict: `episodic_held[c][layer][j]` is the set of frames
+    episodic head j of `layer` (j-th of `cfg.heads_of(EPISODIC, layer)`) held before chunk c, c = 0 … count (the
+    last entry: before the question). Written from docs/h2svc.md §3 on its own: inside chunk c an episodic head's
+    token sees the prefix, the frames held before the chunk and, causally, the chunk's own tokens; the question
+    sees the frames held after the last chunk and, causally, itself. FIFO heads as in `window_masks`."""
+    count = len(episodic_held) - 1
+    P, T_f, frames = cfg.prefix_len, cfg.tokens_per_frame, chunk_frames * count
+    masks = window_masks(cfg, frames, question_len)
+    S = P + frames * T_f + question_len
+    frame = torch.full((S,), -1)
+    frame[P:P + frames * T_f] = torch.arange(frames).repeat_interleave(T_f)
+    chunk_of = torch.where(frame >= 0, frame // chunk_frames, torch.where(torch.arange(S) < P, -1, count))
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    for layer in range(cfg.num_layers):
+        for j, head in enumerate(cfg.heads_of(EPISODIC, layer)):
+            held = torch.zeros(count + 1, frames + 1, dtype=torch.bool)  # column `frames`: "not a frame"
+            for c in range(count + 1):
+                held[c, sorted(episodic_held[c][layer][j])] = True
+            key_frame = torch.where(frame >= 0, frame, frames)
+            sees_held = held[chunk_of.clamp(min=0)][:, key_frame]                 # [S, S]
+            same_chunk = (chunk_of[:, None] == chunk_of[None, :]) & (frame >= 0)[None, :]
+            not_a_frame = (frame < 0)[None, :]
+            masks[layer][head] = causal & (sees_held | same_chunk | not_a_frame)
+    return masks
+
+
 def masked_reference_logits(model, embeds: torch.Tensor, positions: torch.Tensor,
                             masks: dict[int, torch.Tensor]) -> torch.Tensor:
     """Last-token logits [B, vocab] of one forward over the whole sequence with `masks` (the test attention)."""

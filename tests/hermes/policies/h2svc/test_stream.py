@@ -15,10 +15,10 @@ import torch
 
 from hermes.testing import live_tensors
 from hermes.testing import tiny_llava_ov
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC
+from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from hermes_kernels.policies.h2svc import reference as ref
 from tests.hermes.policies.h2svc.checks import (INTERLEAVED_MAP, chunk, h2svc_stream, masked_reference_logits,
-                                                window_masks)
+                                                retention_masks, window_masks)
 from tests.hermes.streams import CASES, QUESTION, reference_greedy, reference_logits, reference_sequence, rope_at
 from tests.utils import assert_close_verbose
 
@@ -88,6 +88,62 @@ def test_frame_windows_equal_a_full_forward_with_window_masks(case, backend, hea
     assert_close_verbose(stream.next_token_logits(QUESTION), expected, name="last-token logits")
     # the test's masks do matter: without them (plain causal) the logits are different
     assert not torch.allclose(expected, reference_logits(model, embeds, positions), atol=1e-3)
+
+
+def test_full_episodic_memory_equals_a_full_forward_with_retention_masks(case):
+    """Episodic heads hold N_e = 3 frames and evict (STCE) from the second chunk on: every chunk's prefill lets an
+    episodic head see the frames it holds plus the chunk itself (causally) — not a frame window — so the streamed
+    question logits equal one full forward masked to what each head held at each chunk (instant and short heads to
+    their windows)."""
+    g = torch.Generator().manual_seed(4)
+    model = case.build()
+    frames, count = 2, 4
+    chunks = [chunk(case, 1, g, frames) for _ in range(count)]
+    embeds, positions, question = reference_sequence(case, model, chunks, batch=1)
+    stream = h2svc_stream(case, model, frames, instant_frames=2, short_frames=3, episodic_frames=3)
+    cfg = stream.cfg
+
+    def held_now() -> dict[int, list[set[int]]]:
+        return {layer: [set(row.tolist()) - {-1} for row in stream.cache.class_slot_frames(EPISODIC, layer)[0]]
+                for layer in range(cfg.num_layers) if cfg.heads_of(EPISODIC, layer)}
+
+    held = [{layer: [set() for _ in cfg.heads_of(EPISODIC, layer)] for layer in range(cfg.num_layers)}]
+    for clip in chunks:
+        stream.append_video(**clip)
+        held.append(held_now())
+    assert stream.stats()["held"]["episodic"] == 3 and stream.stats()["compactions"] == 0
+    assert any(len(before[layer][0]) == 3 for before in held[:-1] for layer in before if before[layer]), \
+        "a chunk after a full episodic memory"
+    masks = retention_masks(cfg, frames, held, question.shape[1])
+    expected = masked_reference_logits(model, embeds, positions, masks)
+    assert_close_verbose(stream.next_token_logits(QUESTION), expected, name="last-token logits")
+    # the retention matters: with every frame visible to episodic heads the logits are different
+    assert not torch.allclose(expected, masked_reference_logits(model, embeds, positions, window_masks(
+        cfg, frames * count, question.shape[1])), atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_eager_reindex_with_the_widest_class_empty(case, backend):
+    """A head map without episodic heads (the class with the widest window, N_e = 8): `held` reports 0 frames for
+    it, and eager re-indexing right-aligns every row to R = P + the largest count of a class that has heads (the
+    short window), not the empty class's window."""
+    g = torch.Generator().manual_seed(5)
+    model = case.build()
+    frames = 2
+    stream = h2svc_stream(case, model, frames, head_map=[[INSTANT, SHORT]] * 4, reindex="eager", backend=backend,
+                          instant_frames=2, short_frames=3, episodic_frames=8)
+    cache, cfg = stream.cache, stream.cfg
+    P, T_f = cfg.prefix_len, cfg.tokens_per_frame
+    for _ in range(3):
+        result = stream.append_video(**chunk(case, 1, g, frames))
+        assert result.compacted and result.held["episodic"] == 0
+    assert stream.stats()["held"] == {"instant": 2, "short": 3, "episodic": 0}
+    assert cache.next_position == P + 3 * T_f
+    for cls in (INSTANT, SHORT):
+        for layer in range(cfg.num_layers):
+            visual = cache.class_positions(cls, layer)[..., P:]
+            newest = visual.flatten(-2 if case.mrope else -1).amax(-1)
+            assert bool((newest == cache.next_position - 1).all()), (CLASS_NAMES[cls], layer)
 
 
 def recorded(model):
@@ -166,7 +222,8 @@ def test_episodic_eviction_follows_the_reference_and_keys_follow_rope(case, back
                     assert_close_verbose(cached[b, j], expected, name=f"keys of {CLASS_NAMES[cls]} layer {layer} "
                                          f"head {head} stream {b}")
             if reindex == "eager":  # §4: R = P + the largest retained visual token count over all heads
-                assert cache.next_position == P + max(stream.stats()["held"].values()) * T_f
+                held = stream.stats()["held"]
+                assert cache.next_position == P + max(held[CLASS_NAMES[c]] for c in cache.classes) * T_f
                 visual = positions[..., P:]
                 assert bool((visual.flatten(-2 if case.mrope else -1).amax(-1) == cache.next_position - 1).all())
 
