@@ -100,11 +100,14 @@ DEFINE_ROW(row_f32, float, curvature_f32)
 DEFINE_ROW(row_f64, double, curvature_f64)
 
 /* times int64 [R, M], d2 [R, M, M] float (is_double 0) or double (1), log_gap [G] of d2's dtype with
- * log_gap[g] = log(g) for every gap the rows can meet, kept int64 [R, capacity]. Returns 0, or 1 when M is over
- * MAX_LANES (nothing written). */
-int hermes_stce_rows(const int64_t *times, const void *d2, int is_double, const void *log_gap, int64_t R,
-                     int64_t M, int64_t W, int64_t capacity, int64_t *kept) {
+ * log_gap[g] = log(g), kept int64 [R, capacity]. A gap t_n - t_p is at most the largest frame index (frames are
+ * >= 0), so every read of the table is in bounds when every frame index is below G. Returns 0; 1 when M is over
+ * MAX_LANES; 2 when a frame index is G or more (the table is too short). Nothing is written unless it returns 0. */
+int hermes_stce_rows(const int64_t *times, const void *d2, int is_double, const void *log_gap, int64_t log_len,
+                     int64_t R, int64_t M, int64_t W, int64_t capacity, int64_t *kept) {
     if (M > MAX_LANES || M < W) return 1;
+    for (int64_t i = 0; i < R * M; ++i)
+        if (times[i] >= log_len) return 2;
     for (int64_t r = 0; r < R; ++r) {
         if (is_double)
             row_f64(times + r * M, (const double *)d2 + r * M * M, (const double *)log_gap, M, W, capacity,

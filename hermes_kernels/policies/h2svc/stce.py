@@ -170,10 +170,12 @@ def _select_rows_native(lib, times: torch.Tensor, d2: torch.Tensor, W: int, gaps
     kept = _output((R, capacity), torch.int64, times.device)
     ptr = ctypes.c_void_p
     status = lib.hermes_stce_rows(ptr(times.data_ptr()), ptr(d2.data_ptr()), ctypes.c_int(d2.dtype == torch.float64),
-                                  ptr(log_gap.data_ptr()), ctypes.c_int64(R), ctypes.c_int64(M), ctypes.c_int64(W),
-                                  ctypes.c_int64(capacity), ptr(kept.data_ptr()))
+                                  ptr(log_gap.data_ptr()), ctypes.c_int64(log_gap.numel()), ctypes.c_int64(R),
+                                  ctypes.c_int64(M), ctypes.c_int64(W), ctypes.c_int64(capacity),
+                                  ptr(kept.data_ptr()))
     if status != 0:
-        raise RuntimeError(f"stce_cpu.c: hermes_stce_rows returned {status} (1: {M} lanes, over its limit)")
+        raise RuntimeError(f"stce_cpu.c: hermes_stce_rows returned {status} (1: {M} lanes, over its limit; 2: the "
+                           f"log(gap) table of {gaps} entries is shorter than the newest frame index + 1)")
     return kept
 
 

@@ -14,6 +14,7 @@ then `undefined` until `reset()`.
 import pytest
 import torch
 
+from hermes.cache import StreamCacheBase
 from tests.hermes.stream.policies import (ERRORS, POLICIES, assert_same_stream, assert_state, fault, warmed_pair)
 from tests.hermes.streams import QUESTION
 
@@ -113,6 +114,34 @@ def test_failure_inside_the_step_writes_needs_a_reset(case, policy, monkeypatch)
         for s in (stream, fresh):
             s.append_video(**clip)
     assert_same_stream(policy, stream, fresh)
+
+
+def test_an_interrupt_after_a_completed_step_keeps_the_stepped_cache(case, policy, monkeypatch):
+    """An exception raised right after the in-place step has finished (inside the call, before it returns) cannot
+    undo the step: the cache keeps the stepped state — counters and slots agree, equal to a stream whose call went
+    through — and takes the next chunks like it."""
+    g = torch.Generator().manual_seed(36)
+    model = case.build()
+    faulty, clean = warmed_pair(policy, case, model, g, **policy.fault_kwargs)
+    finish = StreamCacheBase._step_in_place
+
+    def then_interrupt(cache, step):
+        finish(cache, step)
+        raise KeyboardInterrupt("injected after the step")
+
+    clip = case.chunk(1, g)
+    with monkeypatch.context() as patch:
+        patch.setattr(StreamCacheBase, "_step_in_place", then_interrupt)
+        with pytest.raises(KeyboardInterrupt, match="injected"):
+            faulty.append_video(**clip)
+    assert clean.append_video(**clip) is not None
+    assert not faulty.cache.undefined
+    assert_same_stream(policy, faulty, clean)
+    for _ in range(2):
+        clip = case.chunk(1, g)
+        results = [stream.append_video(**clip) for stream in (faulty, clean)]
+        assert policy.same_result(*results)
+    assert_same_stream(policy, faulty, clean)
 
 
 def test_interrupted_reset_is_reported(case, policy, monkeypatch):

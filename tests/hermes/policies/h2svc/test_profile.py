@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -239,6 +240,13 @@ def test_map_round_trips(loaded, saved):
     cfg = H2SVCConfig.llava_ov(back.num_layers, back.num_kv_heads, prefix_len=10, head_map=back.head_map,
                                tokens_per_frame=16)
     assert cfg.profiled and torch.equal(cfg.head_classes, profile.head_map)
+    # checked against an H2SVCConfig of the same shape (no model type to compare): loaded, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        against_config = load_head_map(path, H2SVCConfig(num_layers=4, num_kv_heads=2, prefix_len=0,
+                                                         tokens_per_frame=16))
+    assert torch.equal(against_config.head_map, profile.head_map)
+    assert H2SVCConfig.llava_ov(4, 2, prefix_len=10, head_map=against_config.head_map, tokens_per_frame=16).profiled
 
 
 def test_map_for_another_model_is_refused(loaded, saved, tmp_path):

@@ -278,3 +278,22 @@ def test_c_loop_decides_like_the_torch_loop(dtype, monkeypatch):
     monkeypatch.setattr(stce_module, "_MAX_LOG_TABLE", first_frame + F - 1)
     stce_module.stce_select_torch(features, frames, arriving, first_frame, W)
     assert len(ran) == 60, "past the log-table bound the torch loop should run"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C loop (stce_cpu.c) runs on CPU tensors only")
+def test_c_loop_refuses_a_log_table_shorter_than_the_frames():
+    """The C loop reads log(t_n - t_p) from the caller's table: it is told the table's length and refuses one that
+    does not reach the newest frame index (instead of reading past its end); one entry more runs."""
+    require_c_library("stce_cpu")
+    g = torch.Generator().manual_seed(92)
+    H, B, W, F, first_frame = 2, 1, 4, 3, 6
+    frames = torch.arange(W).repeat(H, B, 1)
+    features, arriving = torch.randn(H, B, W, 8, generator=g), torch.randn(H, B, F, 8, generator=g)
+    times, d2 = stce_module._trajectory(features, frames, arriving, first_frame)
+    lib = native.library("stce_cpu")
+    newest = first_frame + F - 1
+    with pytest.raises(RuntimeError, match="log.*table of 8 entries"):
+        stce_module._select_rows_native(lib, times, d2, W, newest, W)
+    kept = stce_module._select_rows_native(lib, times, d2, W, newest + 1, W)
+    assert torch.equal(kept.view(H, B, W), stce_module.stce_select_torch(features, frames, arriving, first_frame, W))
+
