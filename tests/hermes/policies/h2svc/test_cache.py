@@ -4,6 +4,8 @@ may do in which state, and argument checks that leave the buffers as they were."
 import pytest
 import torch
 
+import hermes_kernels as hk
+
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes.policies.h2svc.attention import frame_window_mask
 from hermes.policies.h2svc.cache import H2SVCCache
@@ -122,6 +124,41 @@ def test_forwards_in_order_and_failed_calls_leave_the_buffers():
     cache.truncate(P + 2 * T_F)
     with pytest.raises(ValueError, match="do not fit"):
         feed(cache, cache.room() + 1, g)
+
+
+def test_a_failed_step_leaves_the_cache_refusing_forwards_and_steps(monkeypatch):
+    """An exception inside the step after its first class block was rewritten leaves the cache `undefined`: the
+    cache itself (not only the stream in front of it) refuses the next forward's first `update` and the next step
+    until reset(), which empties it in the same buffers."""
+    g = torch.Generator().manual_seed(3)
+    cache = make_cache()
+    feed(cache, P, g)
+    feed(cache, 2 * T_F, g, frames=2, extent=2 * T_F - 1)
+    cache.step()
+    feed(cache, 2 * T_F, g, frames=2, extent=2 * T_F - 1)
+    step, calls = hk.h2svc_step, []
+
+    def fails_after_the_first_block(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected after the first block moved")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(hk, "h2svc_step", fails_after_the_first_block)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        cache.step()
+    monkeypatch.setattr(hk, "h2svc_step", step)
+    assert cache.undefined
+    with pytest.raises(RuntimeError, match="undefined; call reset"):
+        feed(cache, 3, g)
+    with pytest.raises(RuntimeError, match="undefined; call reset"):
+        cache.step()
+    ptrs = cache.data_ptrs()
+    cache.reset()
+    assert not cache.undefined and cache.length == 0 and cache.data_ptrs() == ptrs
+    feed(cache, P, g)
+    feed(cache, 2 * T_F, g, frames=2, extent=2 * T_F - 1)
+    assert cache.step().num_frames == 2
 
 
 def test_bad_construction_arguments():

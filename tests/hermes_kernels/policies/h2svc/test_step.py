@@ -33,7 +33,9 @@ F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float6
 MARGIN = 1e-3
 SPARE = 3  # buffer slots past C in "view" layouts, NaN / poison, checked untouched
 POSITION_POISON = -(2 ** 40)
-ROPES = {"1d": (16, None), "mrope": (16, (2, 3, 3)), "mrope128": (128, (16, 24, 24))}
+# D = 8 and 12: rows of 16 and 48 bytes, not whole 32-byte vectors (the C walk must not stream-store them)
+ROPES = {"1d": (16, None), "mrope": (16, (2, 3, 3)), "mrope128": (128, (16, 24, 24)), "1d-d8": (8, None),
+         "mrope-d12": (12, (2, 2, 2))}
 # 2 layers x 3 KV heads: 1 instant, 2 short, 3 episodic rows (default depth map); windows 2 / 3 / 4 frames
 CONFIG = dict(num_layers=2, num_kv_heads=3, prefix_len=3, tokens_per_frame=4, instant_frames=2, short_frames=3,
               episodic_frames=4)
@@ -74,6 +76,11 @@ CASES = [
     Case(INSTANT, 2, 5, "mrope", True, F16, "view"),
     Case(INSTANT, 1, 1, "1d", False, F32, "contiguous"),
     Case(INSTANT, 2, 1, "mrope128", True, F32, "view"),
+    # odd row sizes with movers beside kept slots: bf16 D = 8, fp32 D = 12
+    Case(EPISODIC, 4, 3, "1d-d8", False, BF16, "contiguous"),
+    Case(SHORT, 3, 2, "mrope-d12", False, F32, "contiguous"),
+    Case(SHORT, 2, 2, "1d-d8", True, BF16, "view"),
+    Case(EPISODIC, 3, 2, "mrope-d12", True, F32, "contiguous"),
 ]
 
 

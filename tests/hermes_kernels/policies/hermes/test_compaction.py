@@ -70,6 +70,9 @@ CASES = [
     Case("llava_ov", 4, 1, 1, 64, 14, 1, 5, F32, None, "eager", True, "contiguous"),
     Case("qwen2_5_vl", 4, 1, 1, 128, 0, 21, 30, BF16, (16, 24, 24), "lazy-above", True, "contiguous"),
     Case("qwen2_5_vl", 4, 3, 1, 16, 0, 19, 40, F32, (2, 3, 3), "eager", False, "view"),
+    # odd row sizes (16 and 48 bytes: not whole 32-byte vectors) with kept rows beside moved ones
+    Case("llava_ov", 4, 2, 2, 8, 3, 29, 11, BF16, None, "eager", True, "contiguous"),
+    Case("qwen2_5_vl", 4, 1, 2, 12, 3, 27, 10, F32, (2, 2, 2), "lazy-below", True, "contiguous"),
     # M-RoPE above budget
     Case("qwen2_5_vl", 4, 2, 3, 16, 14, 33, 10, F32, (2, 3, 3), "eager", True, "view"),
     Case("qwen2_5_vl", 5, 3, 1, 128, 14, 41, 19, F16, (16, 24, 24), "lazy-below", False, "view"),
