@@ -42,3 +42,15 @@ def test_bad_settings_are_refused(case, policy):
         small.append_video(**case.chunk(1, g))
     with pytest.raises(ValueError, match="backend"):
         policy.stream(case, model, backend="cuda")
+
+
+def test_the_room_check_admits_exactly_the_room_left(case, policy):
+    """The front's room check takes as many tokens as the cache has room for, not one more."""
+    g = torch.Generator().manual_seed(10)
+    stream = policy.stream(case, case.build())
+    stream.append_video(**case.chunk(1, g))
+    room = stream.cache.room()
+    assert room > 0
+    stream.check_room(room)
+    with pytest.raises(ValueError, match="room"):
+        stream.check_room(room + 1)

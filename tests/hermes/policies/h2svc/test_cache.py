@@ -126,6 +126,24 @@ def test_forwards_in_order_and_failed_calls_leave_the_buffers():
         feed(cache, cache.room() + 1, g)
 
 
+def test_text_fills_the_fullest_class_exactly_to_its_capacity():
+    """After a chunk, text may take exactly the room left in the fullest class (room 0 afterwards); one token more
+    is refused before writing."""
+    g = torch.Generator().manual_seed(4)
+    cache = make_cache()
+    feed(cache, P, g)
+    feed(cache, 2 * T_F, g, frames=2, extent=2 * T_F - 1)
+    cache.step()
+    room = cache.room()
+    feed(cache, room - 1, g)
+    feed(cache, 1, g)
+    assert cache.room() == 0
+    before = [t.clone() for block in cache.blocks for t in block.buffers()]
+    with pytest.raises(ValueError, match="do not fit"):
+        feed(cache, 1, g)
+    assert all(same_bytes(t, u) for t, u in zip((t for b in cache.blocks for t in b.buffers()), before))
+
+
 def test_a_failed_step_leaves_the_cache_refusing_forwards_and_steps(monkeypatch):
     """An exception inside the step after its first class block was rewritten leaves the cache `undefined`: the
     cache itself (not only the stream in front of it) refuses the next forward's first `update` and the next step

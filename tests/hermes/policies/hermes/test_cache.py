@@ -136,6 +136,21 @@ def test_overflow_and_bad_shapes_raise_before_writing():
     assert torch.equal(cache._stacks[0].keys.nan_to_num(7.0), snapshot.nan_to_num(7.0))
 
 
+def test_a_cache_takes_exactly_its_capacity():
+    """Tokens fill the cache up to its capacity exactly (room 0 afterwards); one more is refused before writing."""
+    g = torch.Generator().manual_seed(13)
+    cache = make_cache(capacity=20)
+    feed(cache, 17, g)
+    assert cache.room() == 3
+    feed(cache, 3, g)
+    assert cache.length == cache.capacity == 20 and cache.room() == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        feed(cache, 1, g)
+    cache.truncate(19)
+    feed(cache, 1, g)
+    assert cache.length == 20
+
+
 def test_truncate_crop_reset():
     g = torch.Generator().manual_seed(4)
     cache = make_cache()

@@ -1,0 +1,231 @@
+"""The C build cache of `hermes_kernels.native`: built once per machine, keyed by source, compiler, flags and CPU,
+safe under concurrent first builds, and still working when the cache folder cannot be used. Every test points
+HERMES_KERNELS_CACHE at its own tmp folder; the cross-process ones run `python -c` from the checkout."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hermes_kernels import native
+from tests.utils import REPO
+
+# run in a subprocess: build or load one library, then report what happened as one JSON line
+REPORT = """
+import json, os, sys, time
+import hermes_kernels.native as n
+go = os.environ.get("HK_TEST_GO")
+while go and not os.path.exists(go):  # wait for the starting signal, so concurrent builds overlap
+    time.sleep(0.005)
+name, symbol = sys.argv[1], sys.argv[2]
+lib = n.library(name)
+b = n.last_build
+print(json.dumps(dict(action=b.action, path=b.path, key=b.key, in_cache=b.in_cache, runs=n.compiler_runs,
+                      reason=n.unavailable_reason(name), symbol=lib is not None and hasattr(lib, symbol))))
+"""
+
+
+@pytest.fixture(autouse=True)
+def needs_a_compiler():
+    """Skip without a C compiler (as `tests.utils.require_c_library`), without building anything here."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler found ($CC, cc, gcc, clang)")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache folder of this test's own, and builds forgotten before and after the test."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv(native.CACHE_ENV, str(folder))
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    native._build.cache_clear()
+    yield folder
+    native._build.cache_clear()
+
+
+def environment(cache_folder, **extra) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != native.ENV_SWITCH}
+    env[native.CACHE_ENV] = str(cache_folder)
+    env.update(extra)
+    return env
+
+
+def start(name: str, symbol: str, cache_folder, **extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", REPORT, name, symbol], cwd=REPO, env=environment(cache_folder,
+                            **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def report(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def libraries(folder) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+def load(name: str) -> native.Build:
+    """Build or load `name` afresh in this process; the library must work."""
+    native._build.cache_clear()
+    assert native.library(name) is not None, native.unavailable_reason(name)
+    return native.last_build
+
+
+def test_a_second_process_loads_the_cached_library_without_compiling(cache):
+    first = report(start("compact_cpu", "hermes_dense_rank", cache))
+    assert first["action"] == "built" and first["runs"] == 1 and first["in_cache"], first
+    assert first["symbol"] and first["reason"] is None
+    assert libraries(cache) == [f"compact_cpu-{first['key']}.so"]
+    second = report(start("compact_cpu", "hermes_dense_rank", cache))
+    assert second["action"] == "cached" and second["runs"] == 0, second
+    assert second["path"] == first["path"] and second["symbol"] and second["reason"] is None
+    assert libraries(cache) == [f"compact_cpu-{first['key']}.so"]
+
+
+def test_a_changed_source_or_flag_builds_anew(cache, tmp_path, monkeypatch):
+    original = load("stce_cpu")
+    assert original.action == "built" and original.in_cache
+    assert load("stce_cpu").action == "cached"
+    runs = native.compiler_runs
+
+    edited = tmp_path / "source"
+    edited.mkdir()
+    text = (native._SOURCE_DIR / "stce_cpu.c").read_text()
+    (edited / "stce_cpu.c").write_text(text + "/* one more comment */\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "_SOURCE_DIR", edited)
+        changed = load("stce_cpu")
+    assert changed.action == "built" and changed.key != original.key
+    assert native.compiler_runs == runs + 1
+
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "_FLAGS", [*native._FLAGS, "-DHERMES_KERNELS_TEST_FLAG=1"])
+        flagged = load("stce_cpu")
+    assert flagged.action == "built" and flagged.key not in (original.key, changed.key)
+    assert native.compiler_runs == runs + 2
+    assert len(libraries(cache)) == 3
+    again = load("stce_cpu")  # the original source and flags: still cached
+    assert again.action == "cached" and again.key == original.key
+
+
+def test_the_key_depends_on_the_cpu_the_compiler_and_the_arch_flag(cache, monkeypatch):
+    source = (native._SOURCE_DIR / "stce_cpu.c").read_bytes()
+    compiler = native._compiler()
+    here = native._key("stce_cpu", source, compiler, ["-march=native"])
+    assert native._key("stce_cpu", source, compiler, ["-march=native"]) == here
+    assert native._key("stce_cpu", source, compiler, []) != here
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "_compiler_version", lambda compiler: "cc 99.0 (another one)")
+        assert native._key("stce_cpu", source, compiler, ["-march=native"]) != here
+
+    built_here = load("stce_cpu")
+    assert built_here.key == here
+    monkeypatch.setattr(native, "_cpu_description", lambda: "x86_64\nmodel name: Another CPU\nflags: fpu sse")
+    assert native._key("stce_cpu", source, compiler, ["-march=native"]) != here
+    elsewhere = load("stce_cpu")
+    assert elsewhere.action == "built" and elsewhere.key != here, "a library built for another CPU was loaded"
+    assert len(libraries(cache)) == 2
+
+
+def test_the_cpu_description_names_the_processor():
+    described = native._cpu_description()
+    assert described.splitlines()[0] == native.platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as info:
+            first = info.read().split("\n\n")[0]
+        for field in ("model name", "flags", "Features", "CPU part"):
+            line = next((line for line in first.splitlines() if line.split(":")[0].strip() == field), None)
+            if line is not None:
+                assert f"{field}: {line.partition(':')[2].strip()}" in described.splitlines()
+
+
+def test_two_concurrent_first_builds_both_succeed_and_leave_one_file(cache, tmp_path):
+    go = tmp_path / "go"
+    processes = [start("stce_cpu", "hermes_stce_rows", cache, HK_TEST_GO=str(go)) for _ in range(2)]
+    time.sleep(0.5)
+    go.touch()
+    reports = [report(process) for process in processes]
+    for got in reports:
+        assert got["action"] in ("built", "cached") and got["symbol"] and got["reason"] is None, got
+    assert reports[0]["key"] == reports[1]["key"]
+    assert libraries(cache) == [f"stce_cpu-{reports[0]['key']}.so"], "a temporary file or a second library is left"
+    final = cache / libraries(cache)[0]
+    assert final.read_bytes()[:4] == b"\x7fELF"
+    third = report(start("stce_cpu", "hermes_stce_rows", cache))
+    assert third["action"] == "cached" and third["symbol"], third
+
+
+def test_a_cache_folder_that_cannot_be_created_still_gives_a_library(tmp_path, monkeypatch, cache):
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
+    build = load("stce_cpu")
+    assert build.action == "built" and not build.in_cache
+    assert not build.path.startswith(str(blocker)) and not os.path.exists(build.path), "the temporary folder stays"
+    assert hasattr(native.library("stce_cpu"), "hermes_stce_rows")
+    assert blocker.read_text() == "not a folder"
+
+
+def test_a_cache_folder_that_cannot_be_written_still_gives_a_library(cache, monkeypatch):
+    """Root ignores permission bits, so an unwritable folder is a mkstemp that refuses."""
+    cache.mkdir()
+    mkstemp = native.tempfile.mkstemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and os.path.samefile(dir, cache):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return mkstemp(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(native.tempfile, "mkstemp", refuse)
+    build = load("stce_cpu")
+    assert build.action == "built" and not build.in_cache and not os.path.exists(build.path)
+    assert libraries(cache) == []
+
+
+def test_a_corrupt_cached_file_is_rebuilt_once(cache):
+    source = (native._SOURCE_DIR / "stce_cpu.c").read_bytes()
+    key = native._key("stce_cpu", source, native._compiler(), native._ARCHES[0])
+    cache.mkdir()
+    corrupt = cache / f"stce_cpu-{key}.so"
+    corrupt.write_bytes(b"\x7fELF half a library")
+    runs = native.compiler_runs
+    build = load("stce_cpu")
+    assert build.action == "built" and build.path == str(corrupt) and native.compiler_runs == runs + 1
+    assert corrupt.read_bytes()[:4] == b"\x7fELF" and corrupt.stat().st_size > 1000
+    assert libraries(cache) == [corrupt.name]
+
+
+def test_a_library_that_never_loads_is_rebuilt_once_then_reported(cache, monkeypatch):
+    load("stce_cpu")  # a cached file exists
+
+    def unloadable(path):
+        raise OSError(f"{path}: failed to map segment from shared object")
+    monkeypatch.setattr(native.ctypes, "CDLL", unloadable)
+    runs = native.compiler_runs
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    assert "failed to map segment" in native.unavailable_reason("stce_cpu")
+    assert native.last_build.action == "failed" and native.compiler_runs == runs + 1
+
+
+def test_the_default_folder_follows_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_folder() == tmp_path / "xdg" / "hermes_kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert native.cache_folder() == tmp_path / "home" / ".cache" / "hermes_kernels"
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "moved"))
+    assert native.cache_folder() == tmp_path / "moved"
+
+
+def test_clearing_the_folder_clears_the_cache(cache):
+    first = load("stce_cpu")
+    shutil.rmtree(cache)
+    again = load("stce_cpu")
+    assert first.action == again.action == "built" and again.key == first.key
