@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from hermes.video import VideoReader, as_fraction, parse_time
+from hermes_kernels.checks import check_positive_int
 
 POLICIES = ("hermes", "h2svc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -159,12 +160,6 @@ def _question(question) -> str:
     return question.strip()
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -201,9 +196,9 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     from tqdm import tqdm
 
     fps = float(as_fraction(fps, "fps"))
-    _positive_int("chunk_frames", chunk_frames)
-    _positive_int("budget", budget)
-    _positive_int("max_new_tokens", max_new_tokens)
+    check_positive_int("chunk_frames", chunk_frames)
+    check_positive_int("budget", budget)
+    check_positive_int("max_new_tokens", max_new_tokens)
     policy_kwargs(policy, budget, head_map)  # a bad policy or head map fails before anything loads
     schedule = sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0])
     if not os.path.isfile(os.fspath(video)):
@@ -384,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         if args.threads is not None:
-            torch.set_num_threads(_positive_int("threads", args.threads))
+            torch.set_num_threads(check_positive_int("threads", args.threads))
         run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
             chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, head_map=args.head_map,
             device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,

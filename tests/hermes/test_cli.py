@@ -292,9 +292,19 @@ def test_text_output_with_questions_from_the_terminal(tiny_checkpoints, videos, 
     assert len(out) == 4 and all(line.strip().startswith("A:") for line in out[1::2])
 
 
+def test_questions_at_a_chunks_last_timestamp_and_at_zero(loaded, videos):
+    """A question timed at a chunk's last frame (7 s: chunk 1 holds the frames at 4..7 s) comes right after that
+    chunk, not after the next one; one at 0 s comes after the first chunk (no chunk ends before it)."""
+    records = cli.run(loaded["llava_onevision"], videos["cfr"], ask_at=[f"7s:{EARLY}", f"0s:{QUESTION}"], **RUN)
+    assert [r["type"] for r in records] == ["chunk", "answer", "chunk", "answer", "chunk", "chunk"]
+    asked = [(r["question"], r["at"]) for r in records if r["type"] == "answer"]
+    assert asked == [(QUESTION, 3), (EARLY, 7)]
+
+
 @pytest.mark.parametrize("item,expected", [
     ("1:30:Who is speaking?", (90, "Who is speaking?")), ("30s: what ?", (30, "what ?")), ("1:02:03:q", (3723, "q")),
-    ("12.5:a:b", (12.5, "a:b")), ((12.5, " q "), (12.5, "q")), (("1:30", "q"), (90, "q"))])
+    ("12.5:a:b", (12.5, "a:b")), ((12.5, " q "), (12.5, "q")), (("1:30", "q"), (90, "q")), ("0s:q", (0, "q")),
+    ("0:q", (0, "q")), ((0, "q"), (0, "q"))])
 def test_parse_ask_at(item, expected):
     assert cli.parse_ask_at(item) == expected
 
