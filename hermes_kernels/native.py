@@ -1,33 +1,71 @@
 """The C row kernels of the torch backend on CPU: built from this package's `.c` files with the system C compiler
-on first use, once per process, and loaded with ctypes.
+on first use, once per machine (cached on disk), and loaded with ctypes.
 
 Why C: on CPU the compaction is a row move (read each kept row, rotate keys, write it to its slot). Any
 formulation in torch ops stages the rows through a gather buffer and then writes them out again, and that alone
 costs about twice a single pass (see `rows.py`); a plain loop over rows moves every row once, in place. The C
-code takes no torch headers: tensors go in as data pointers and element strides, so a build takes well under a
-second and needs only a C compiler (`$CC`, else `cc`), as Triton's own launcher stubs do.
+code takes no torch headers: tensors go in as data pointers and element strides, so a build needs only a C
+compiler (`$CC`, else `cc`, `gcc` or `clang`), as Triton's own launcher stubs do.
 
-Built per process into a temporary folder (the library stays mapped after the folder is removed), with
-`-march=native` when the compiler accepts it, so nothing compiled for one CPU is ever loaded on another.
-`HERMES_KERNELS_NATIVE=0` in the environment turns the C path off; so does a missing or failing compiler. Either
-way the torch ops path runs instead, and `unavailable_reason(name)` says why.
+The build cache: `<name>-<key>.so` in `cache_folder()` (`$HERMES_KERNELS_CACHE`, else
+`$XDG_CACHE_HOME/hermes_kernels`, else `~/.cache/hermes_kernels`). The key is a SHA-256 of the source bytes, the
+compiler's path and `--version` output, the flags (with the arch flag used) and the CPU (`platform.machine()` and
+the first processor's model and flags lines of /proc/cpuinfo), so a library built with `-march=native` is never
+loaded on another CPU, nor one built from an older source or by another compiler. A process that finds the file
+loads it without compiling. A build compiles into a uniquely named file in the cache folder and renames it to the
+final name (atomic on POSIX), so processes building at once never see a half-written library. A cached file that
+fails to load is rebuilt once. When the folder cannot be created or written, the library is built per process
+into a temporary folder instead (it stays mapped after the folder is removed). Deleting the folder clears the
+cache. `last_build` records what the latest build did (`Build.action`: "cached", "built" or "failed") and
+`compiler_runs` counts the compilations of this process.
+
+`-march=native` is used when the compiler accepts it, else no arch flag (a cached build with either is loaded,
+`-march=native` first). `HERMES_KERNELS_NATIVE=0` in the environment turns the C path off; so does a missing or
+failing compiler, or a library that does not load. Either way the torch ops path runs instead, and
+`unavailable_reason(name)` says why.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["library", "unavailable_reason", "ENV_SWITCH"]
+__all__ = ["library", "unavailable_reason", "cache_folder", "Build", "ENV_SWITCH", "CACHE_ENV"]
 
 ENV_SWITCH = "HERMES_KERNELS_NATIVE"
+CACHE_ENV = "HERMES_KERNELS_CACHE"
 _SOURCE_DIR = Path(__file__).parent
 # -ffp-contract=off: every product and sum rounds on its own, as the torch ops of the reference do
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off"]
+_ARCHES = (["-march=native"], [])  # in order of preference
+_KEY_FORMAT = "hermes_kernels.native/1"  # bump when the key's contents change
+# /proc/cpuinfo fields of the first processor that describe what -march=native sees (x86, then Arm)
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "flags",
+               "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """What `_build(name)` did: "cached" (loaded a library built earlier), "built" (compiled it now, also after a
+    cached file failed to load) or "failed" (no library: see `unavailable_reason`). `path` is the file loaded
+    (or last tried); `in_cache` is False when the cache folder was unusable and a temporary folder held the build."""
+    name: str
+    action: str
+    path: str | None = None
+    key: str | None = None
+    in_cache: bool = False
+    compiles: int = 0
+
+
+last_build: Build | None = None  # the record of the latest `_build` call of this process
+compiler_runs = 0  # compilations run by this process
 
 
 def _compiler() -> str | None:
@@ -38,27 +76,167 @@ def _compiler() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def _compiler_version(compiler: str) -> str:
+    """The compiler's `--version` output (or how asking failed): part of the cache key, read once per process."""
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"--version failed: {exc}"
+    return f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_description() -> str:
+    """The machine and the first processor's model and feature lines of /proc/cpuinfo (when there is one)."""
+    lines = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if not line.strip():
+                    break  # the end of the first processor's block
+                field, _, value = line.partition(":")
+                if field.strip() in _CPU_FIELDS:
+                    lines.append(f"{field.strip()}: {value.strip()}")
+    except OSError:
+        pass
+    if len(lines) == 1:  # no /proc/cpuinfo (macOS, BSD): what the platform module can tell
+        lines.append(platform.processor())
+    return "\n".join(lines)
+
+
+def cache_folder() -> Path:
+    """Where built libraries are cached: `$HERMES_KERNELS_CACHE`, else `$XDG_CACHE_HOME/hermes_kernels`, else
+    `~/.cache/hermes_kernels` (read on every build)."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen:
+        return Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hermes_kernels"
+
+
+def _key(name: str, source: bytes, compiler: str, arch: list[str]) -> str:
+    digest = hashlib.sha256()
+    for part in (_KEY_FORMAT, name, compiler, _compiler_version(compiler), "\0".join([*_FLAGS, *arch]),
+                 _cpu_description()):
+        digest.update(part.encode("utf-8", "replace") + b"\0\0")
+    digest.update(source)
+    return digest.hexdigest()[:32]
+
+
+def _usable_folder() -> Path | None:
+    try:
+        folder = cache_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    except OSError:  # e.g. a parent that is a file, or no permission
+        return None
+
+
+def _record(build: Build) -> Build:
+    global last_build
+    last_build = build
+    return build
+
+
+@functools.lru_cache(maxsize=None)
 def _build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     compiler = _compiler()
     if compiler is None:
+        _record(Build(name, "failed"))
         return None, "no C compiler found ($CC, cc, gcc, clang)"
     source = _SOURCE_DIR / f"{name}.c"
-    with tempfile.TemporaryDirectory(prefix="hermes_kernels_", ignore_cleanup_errors=True) as folder:
-        target = Path(folder) / f"{name}.so"
-        errors = ""
-        for arch in (["-march=native"], []):
-            try:
-                done = subprocess.run([compiler, *_FLAGS, *arch, str(source), "-o", str(target)],
-                                      capture_output=True, text=True)
-            except OSError as exc:
-                return None, f"running {compiler} failed: {exc}"
-            if done.returncode == 0:
+    try:
+        code = source.read_bytes()
+    except OSError as exc:
+        _record(Build(name, "failed"))
+        return None, f"reading {source} failed: {exc}"
+    keys = [_key(name, code, compiler, arch) for arch in _ARCHES]
+    folder = _usable_folder()
+    if folder is not None:
+        for key in keys:
+            cached = folder / f"{name}-{key}.so"
+            if cached.is_file():
                 try:
-                    return ctypes.CDLL(str(target)), None
-                except OSError as exc:  # e.g. a temporary folder mounted noexec
-                    return None, f"loading the built {target.name} failed: {exc}"
+                    library = ctypes.CDLL(str(cached))
+                except OSError:  # corrupt or foreign: rebuilt below (once), replacing it
+                    break
+                _record(Build(name, "cached", str(cached), key, True))
+                return library, None
+    scratch: list[str] = []
+    try:
+        return _compile(name, compiler, source, keys, folder, scratch)
+    finally:
+        for path in scratch:  # the loaded library stays mapped
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _compile(name: str, compiler: str, source: Path, keys: list[str], folder: Path | None,
+             scratch: list[str]) -> tuple[ctypes.CDLL | None, str | None]:
+    """Compile `source` with each arch flag in turn until one works; into the cache folder when it is writable
+    (a unique file renamed to the final name), else into a temporary folder (appended to `scratch`)."""
+    global compiler_runs
+    errors, compiles = "", 0
+    for arch, key in zip(_ARCHES, keys):
+        final = None
+        if folder is not None:
+            try:
+                handle, output = tempfile.mkstemp(dir=folder, prefix=f"{name}-{key}.", suffix=".tmp")
+                os.close(handle)
+                final = folder / f"{name}-{key}.so"
+            except OSError:  # the folder exists but cannot be written: per-process build
+                folder = None
+        if final is None:
+            if not scratch:
+                try:
+                    scratch.append(tempfile.mkdtemp(prefix="hermes_kernels_"))
+                except OSError as exc:
+                    _record(Build(name, "failed", None, key, False, compiles))
+                    return None, f"no folder to build {name} in: {cache_folder()} is unusable and {exc}"
+            output = os.path.join(scratch[0], f"{name}-{key}.so")
+        try:
+            compiles += 1
+            compiler_runs += 1
+            done = subprocess.run([compiler, *_FLAGS, *arch, str(source), "-o", output],
+                                  capture_output=True, text=True)
+        except OSError as exc:
+            _unlink(output if final is not None else None)
+            _record(Build(name, "failed", None, key, final is not None, compiles))
+            return None, f"running {compiler} failed: {exc}"
+        if done.returncode != 0:
+            _unlink(output if final is not None else None)
             errors = done.stderr.strip()
+            continue
+        target = output
+        if final is not None:
+            try:
+                os.chmod(output, 0o755)  # the linker may keep mkstemp's 0o600
+            except OSError:
+                pass
+            try:
+                os.replace(output, final)  # atomic: another process sees the old file, or none, or this one
+                target = str(final)
+            except OSError:  # load the uniquely named file instead
+                pass
+        try:
+            library = ctypes.CDLL(target)
+        except OSError as exc:  # e.g. a folder mounted noexec
+            _unlink(target if target != str(final) else None)
+            _record(Build(name, "failed", target, key, final is not None, compiles))
+            return None, f"loading the built {Path(target).name} failed: {exc}"
+        if final is not None and target != str(final):
+            _unlink(target)  # not renamed: loaded under its temporary name, which stays mapped
+        _record(Build(name, "built", target, key, final is not None, compiles))
+        return library, None
+    _record(Build(name, "failed", None, keys[-1], folder is not None, compiles))
     return None, f"{compiler} failed on {source.name}: {errors[-500:]}"
+
+
+def _unlink(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _switched_off() -> bool:
@@ -67,7 +245,8 @@ def _switched_off() -> bool:
 
 def library(name: str) -> ctypes.CDLL | None:
     """The loaded C library built from hermes_kernels/<name>.c, or None when it cannot be had or is switched off
-    (the switch is read on every call; the build happens once per process)."""
+    (the switch is read on every call; the library is looked up or built once per process, and built once per
+    machine when the cache folder is writable)."""
     return None if _switched_off() else _build(name)[0]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,8 +21,10 @@ REPORT = """
 import json, os, sys, time
 import hermes_kernels.native as n
 go = os.environ.get("HK_TEST_GO")
-while go and not os.path.exists(go):  # wait for the starting signal, so concurrent builds overlap
-    time.sleep(0.005)
+if go:  # say "imported", then wait for the starting signal, so that concurrent builds overlap
+    open(f"{go}.ready.{os.getpid()}", "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.002)
 name, symbol = sys.argv[1], sys.argv[2]
 lib = n.library(name)
 b = n.last_build
@@ -145,19 +148,63 @@ def test_the_cpu_description_names_the_processor():
                 assert f"{field}: {line.partition(':')[2].strip()}" in described.splitlines()
 
 
-def test_two_concurrent_first_builds_both_succeed_and_leave_one_file(cache, tmp_path):
-    go = tmp_path / "go"
-    processes = [start("stce_cpu", "hermes_stce_rows", cache, HK_TEST_GO=str(go)) for _ in range(2)]
-    time.sleep(0.5)
+# a compiler that writes its output slowly: it logs the output path it was given, writes a placeholder there,
+# waits, then runs the real compiler on the same arguments (a long window in which a half-written library exists)
+SLOW_CC = """#!{python}
+import os, sys, time
+args = sys.argv[1:]
+if "-o" in args:
+    output = args[args.index("-o") + 1]
+    with open({log!r}, "a") as log:
+        log.write(output + "\\n")
+    with open(output, "wb") as partial:
+        partial.write(b"PARTIAL")
+    time.sleep(1.0)
+os.execv({real!r}, [{real!r}, *args])
+"""
+
+
+@pytest.mark.parametrize("compiler", ["system", "slow"])
+def test_two_concurrent_first_builds_both_succeed_and_leave_one_file(cache, tmp_path, compiler):
+    """Two processes start their first build at once on an empty folder: both get a working library, the folder
+    ends with the one library of the key and no temporary file, and no half-written file ever has the final name
+    (with the slow compiler: each compiled into its own temporary file in the folder, and the folder is watched
+    throughout for a placeholder under a final name)."""
+    go, extra, log = tmp_path / "go", {}, tmp_path / "cc.log"
+    if compiler == "slow":
+        wrapper = tmp_path / "slow-cc"
+        wrapper.write_text(SLOW_CC.format(python=sys.executable, log=str(log), real=native._compiler()))
+        wrapper.chmod(0o755)
+        extra["CC"] = str(wrapper)
+    processes = [start("stce_cpu", "hermes_stce_rows", cache, HK_TEST_GO=str(go), **extra) for _ in range(2)]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("go.ready.*"))) < 2 and time.monotonic() < deadline:
+        assert all(process.poll() is None for process in processes), [report(p) for p in processes]
+        time.sleep(0.01)
     go.touch()
+    final_name, half_written = re.compile(r"stce_cpu-[0-9a-f]{32}\.so"), set()
+    while any(process.poll() is None for process in processes):
+        for path in cache.glob("*") if cache.is_dir() else ():
+            try:
+                if final_name.fullmatch(path.name) and path.read_bytes()[:7] == b"PARTIAL":
+                    half_written.add(path.name)
+            except OSError:
+                pass
+        time.sleep(0.005)
     reports = [report(process) for process in processes]
     for got in reports:
         assert got["action"] in ("built", "cached") and got["symbol"] and got["reason"] is None, got
     assert reports[0]["key"] == reports[1]["key"]
+    assert not half_written, f"a half-written library had the final name: {half_written}"
     assert libraries(cache) == [f"stce_cpu-{reports[0]['key']}.so"], "a temporary file or a second library is left"
-    final = cache / libraries(cache)[0]
-    assert final.read_bytes()[:4] == b"\x7fELF"
-    third = report(start("stce_cpu", "hermes_stce_rows", cache))
+    if compiler == "slow":
+        outputs = log.read_text().split()
+        assert [got["action"] for got in reports] == ["built", "built"] and len(outputs) == 2
+        assert len(set(outputs)) == 2, f"both builds wrote {outputs[0]}"
+        for output in outputs:
+            assert os.path.dirname(output) == str(cache) and not final_name.fullmatch(os.path.basename(output))
+    assert (cache / libraries(cache)[0]).read_bytes()[:4] == b"\x7fELF"
+    third = report(start("stce_cpu", "hermes_stce_rows", cache, **extra))
     assert third["action"] == "cached" and third["symbol"], third
 
 
@@ -229,3 +276,18 @@ def test_clearing_the_folder_clears_the_cache(cache):
     shutil.rmtree(cache)
     again = load("stce_cpu")
     assert first.action == again.action == "built" and again.key == first.key
+
+
+def test_a_compiler_without_march_native_builds_and_caches_without_the_arch_flag(cache, tmp_path, monkeypatch):
+    no_native = tmp_path / "cc-no-native"
+    no_native.write_text(f'#!/bin/sh\ncase "$*" in *-march=native*) echo "unknown -march=native" >&2; exit 1;; esac\n'
+                         f'exec {native._compiler()} "$@"\n')
+    no_native.chmod(0o755)
+    monkeypatch.setenv("CC", str(no_native))
+    source = (native._SOURCE_DIR / "stce_cpu.c").read_bytes()
+    plain_key = native._key("stce_cpu", source, str(no_native), [])
+    first = load("stce_cpu")
+    assert first.action == "built" and first.key == plain_key and first.compiles == 2
+    assert libraries(cache) == [f"stce_cpu-{plain_key}.so"]
+    again = load("stce_cpu")
+    assert again.action == "cached" and again.key == plain_key and again.compiles == 0
