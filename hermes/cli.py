@@ -16,9 +16,17 @@ Chunking: the cache is sized for `chunk_frames` frames, so a video with fewer sa
 refused (ValueError: lower chunk_frames or raise fps); a longer video's last chunk holds the frames left over
 and may be shorter.
 
-Errors a user can fix raise ValueError, OSError (FileNotFoundError) or ImportError with a one-line message
-naming what is wrong; `main` prints it as one line on stderr and exits with status 1 (2 for a bad command
-line), without a traceback unless --traceback is given.
+Before any weights load (`check_run`): every setting is parsed (fps, chunk size, budget, --ask-at times), the
+device is checked, the checkpoint's config.json names a supported family and its max_position_embeddings admits
+the budget, a head map file is read and checked against the checkpoint's shape, and the video is opened, its
+first chunk decoded and every --ask-at time checked against its length.
+
+Errors a user can fix raise with a one-line message naming the argument; `main` prints it as one line on stderr
+(no traceback unless --traceback) and exits with status 2 for a usage error (`UsageError`: a setting that cannot
+work — a bad value, a question timed past the end of the video, a budget past the model's positions, a head map
+of another model, a device that is not there, an unsupported model type, a video shorter than one chunk; argparse's
+own errors are 2 as well) and 1 for an input that cannot be read (a missing or corrupt video, checkpoint or head
+map file, a decoding error mid-stream) or any other failure. Warnings print as one line `warning: ...`.
 """
 from __future__ import annotations
 
@@ -36,72 +44,80 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from hermes.video import VideoReader, as_fraction, parse_time
+from hermes.commands import (DTYPES, LoadedModel, UsageError, check_checkpoint, load_model, resolve_device,
+                             resolve_dtype, run_command, usage)
 from hermes_kernels.checks import check_positive_int
 
 POLICIES = ("hermes", "h2svc")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ASK_AT = re.compile(r"^\s*(\d+(?::\d+){0,2}(?:\.\d+)?s?)\s*:(.*)$", re.DOTALL)
 
 
 @dataclasses.dataclass
-class LoadedModel:
-    """A checkpoint ready to stream: the model (eval mode, on `device`), its processor and its family."""
+class RunCheck:
+    """What `check_run` found before any weights load: the question schedule, the device and dtype, and for a
+    checkpoint folder its family, processor and config."""
 
-    model: torch.nn.Module
-    processor: object
-    family: object
-    path: str
+    schedule: list[tuple[float, str]]
     device: torch.device
+    dtype: torch.dtype
+    family: object = None
+    processor: object = None
+    config: object = None
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """torch.device from a name; None picks cuda when available, else cpu. ValueError for a device that is
-    not there."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device: expected e.g. cpu, cuda or cuda:1, got {device!r}") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for but torch sees no CUDA device (torch.cuda.is_available() "
-                         "is False); use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected cpu or cuda, got {device}")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 on CUDA and float32 on CPU; otherwise a name from DTYPES or a torch.dtype."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype: expected auto or one of {sorted(DTYPES)}, got {dtype!r}")
-
-
-def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
-               dtype: str | torch.dtype = "auto") -> LoadedModel:
-    """Load a local checkpoint folder: its family from config.json's model_type (checked before any weights
-    load), the model with `AutoModelForImageTextToText`, the processor with `load_processor`."""
-    from transformers import AutoModelForImageTextToText, PretrainedConfig
-
-    from hermes.models import family_of_type
+def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike, *, ask_at: Sequence = (),
+              fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
+              head_map: str | os.PathLike | None = None, device: str | torch.device | None = None,
+              dtype: str | torch.dtype = "auto", max_new_tokens: int = 64) -> RunCheck:
+    """Every check of `run` that needs no weights (module docstring), in this order: settings, the video and the
+    --ask-at times against it, the device, the checkpoint, the budget against its positions, the head map.
+    UsageError for a setting that cannot work; FileNotFoundError or ValueError for an input that cannot be read."""
     from hermes.models.processing import load_processor
+    from hermes.policies.h2svc.head_map import check_head_map, load_head_map
+    from hermes_kernels import HermesConfig
 
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model: no such folder: {path} (expected a local checkpoint folder)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model: {path} has no config.json; expected a checkpoint saved with save_pretrained")
-    config, _ = PretrainedConfig.get_config_dict(path)
-    family = family_of_type(config.get("model_type"))
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
-    return LoadedModel(model=model, processor=load_processor(path, family), family=family, path=path, device=device)
+    fps = float(usage(lambda: as_fraction(fps, "fps")))
+    for name, value in (("chunk_frames", chunk_frames), ("budget", budget), ("max_new_tokens", max_new_tokens)):
+        usage(lambda: check_positive_int(name, value))
+    schedule = usage(lambda: sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0]))
+    usage(lambda: policy_kwargs(policy, budget, head_map))  # a missing head map file: FileNotFoundError
+    with VideoReader(video) as reader:
+        duration = reader.duration
+        first = next(reader.chunks(fps, chunk_frames), None)
+    if first is None or len(first.times) < chunk_frames:
+        sampled = 0 if first is None else len(first.times)
+        raise UsageError(f"video: {sampled} frames sampled at {fps:g} fps, fewer than one chunk of {chunk_frames}; "
+                         f"lower --chunk-frames or raise --fps")
+    late = [when for when, _ in schedule if duration is not None and when > duration]
+    if late:
+        raise UsageError(f"ask_at: {late[0]:g} s is past the end of the video ({duration:.2f} s): "
+                         f"{os.fspath(video)}")
+    if isinstance(model, LoadedModel):
+        check = RunCheck(schedule, model.device, next(model.model.parameters()).dtype, model.family,
+                         model.processor, model.model.config)
+    else:
+        resolved = usage(lambda: resolve_device(device))
+        check = RunCheck(schedule, resolved, usage(lambda: resolve_dtype(dtype, resolved)))
+        check.config, check.family = check_checkpoint(model)
+        check.processor = load_processor(os.fspath(model), check.family)
+    text = check.config.get_text_config()
+    if policy == "hermes":
+        tokenizer = getattr(check.processor, "tokenizer", check.processor)
+        prefix_len = len(tokenizer(check.family.prefix_text(None), add_special_tokens=False)["input_ids"])
+        try:
+            HermesConfig.preset(check.family.preset_name, text.num_hidden_layers, budget, prefix_len,
+                                max_positions=text.max_position_embeddings)
+        except ValueError as err:
+            raise UsageError(f"cannot build the stream with budget={budget}, chunk_frames={chunk_frames}: "
+                             f"{err}") from err
+    elif head_map is not None:
+        profile = load_head_map(head_map)  # an unreadable file: ValueError (status 1)
+        try:
+            check_head_map(profile, check.config, f"head map {os.fspath(head_map)}")
+        except ValueError as err:
+            raise UsageError(f"cannot build the stream with policy {policy}, chunk_frames={chunk_frames}: "
+                             f"{err}") from err
+    return check
 
 
 def policy_kwargs(policy: str, budget: int, head_map: str | os.PathLike | None = None) -> dict:
@@ -127,13 +143,13 @@ def build_stream(loaded: LoadedModel, *, policy: str, budget: int, chunk_frames:
     settings."""
     from hermes.stream import HermesStream
 
-    kwargs = policy_kwargs(policy, budget, head_map)
+    kwargs = usage(lambda: policy_kwargs(policy, budget, head_map))
     settings = f"budget={budget}" if policy == "hermes" else f"policy {policy}"
     try:
         return HermesStream(loaded.model, loaded.processor, chunk_frames=chunk_frames, frame_size=frame_size,
                             **kwargs)
     except ValueError as err:
-        raise ValueError(f"cannot build the stream with {settings}, chunk_frames={chunk_frames}: {err}") from err
+        raise UsageError(f"cannot build the stream with {settings}, chunk_frames={chunk_frames}: {err}") from err
 
 
 def parse_ask_at(item: str | tuple) -> tuple[float, str]:
@@ -177,7 +193,8 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     model:         a checkpoint folder, or a `LoadedModel` from `load_model` (reused across videos).
     questions:     asked after the whole video, in order; any iterable, read lazily (e.g. lines from a terminal).
     ask_at:        "TIME:question" strings or (seconds, question) pairs: each asked after the first chunk whose
-                   last frame is at or past TIME (after the last chunk when the video is shorter).
+                   last frame is at or past TIME (after the last chunk when TIME falls after its last frame; a
+                   TIME past the video's length is a UsageError).
     fps:           frames sampled per second of video, by timestamp (`hermes.video`).
     chunk_frames:  frames per chunk (the cache is sized for one chunk; fewer frames in all is a ValueError).
     budget:        visual tokens kept per layer (HERMES).
@@ -195,15 +212,11 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     """
     from tqdm import tqdm
 
+    check = check_run(model, video, ask_at=ask_at, fps=fps, chunk_frames=chunk_frames, budget=budget, policy=policy,
+                      head_map=head_map, device=device, dtype=dtype, max_new_tokens=max_new_tokens)
     fps = float(as_fraction(fps, "fps"))
-    check_positive_int("chunk_frames", chunk_frames)
-    check_positive_int("budget", budget)
-    check_positive_int("max_new_tokens", max_new_tokens)
-    policy_kwargs(policy, budget, head_map)  # a bad policy or head map fails before anything loads
-    schedule = sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0])
-    if not os.path.isfile(os.fspath(video)):
-        raise FileNotFoundError(f"video: no such file: {os.fspath(video)}")
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, device, dtype)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, check.device, check.dtype,
+                                                                      processor=check.processor)
     records: list[dict] = []
 
     def emit(record: dict) -> None:
@@ -224,18 +237,14 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
 
     with VideoReader(video) as reader:
         chunks = reader.chunks(fps, chunk_frames)
-        first = next(chunks, None)
-        if first is None or len(first.times) < chunk_frames:
-            sampled = 0 if first is None else len(first.times)
-            raise ValueError(f"video: {sampled} frames sampled at {fps:g} fps, fewer than one chunk of "
-                             f"{chunk_frames}; lower --chunk-frames or raise --fps")
+        first = next(chunks)  # check_run has read it once: at least one chunk of chunk_frames
         prepared = prepare(first)
         stream = build_stream(loaded, policy=policy, budget=budget, chunk_frames=chunk_frames,
                               frame_size=loaded.family.frame_size(loaded.model, prepared[0]), head_map=head_map)
         duration = reader.duration
         total = None if duration is None else -(-(int(duration * fps) + 1) // chunk_frames)
         bar = tqdm(total=total, unit="chunk", file=sys.stderr, disable=not progress, dynamic_ncols=True)
-        pending = list(schedule)
+        pending = list(check.schedule)
         seen = 0.0
         try:
             for chunk in itertools.chain([first], chunks):
@@ -346,27 +355,6 @@ def _print_record(record: dict, as_json: bool) -> None:
     sys.stdout.flush()
 
 
-def run_command(body: Callable[[], None], show_traceback: bool = False) -> int:
-    """Run a command's `body` under the commands' error contract and return the exit status: 0 when it returns;
-    an error a user can fix (ValueError, OSError, ImportError, out of memory) printed as one line `error: ...` on
-    stderr and 1; any other exception as one internal-error line and 1; 130 on Ctrl-C. With show_traceback the
-    exception propagates instead (--traceback)."""
-    try:
-        body()
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 (the command's contract: one line, no traceback)
-        if show_traceback:
-            raise
-        message = " ".join(str(err).split()) or type(err).__name__
-        if not isinstance(err, (ValueError, OSError, ImportError, torch.OutOfMemoryError)):
-            message = f"internal error ({type(err).__name__}: {message}); rerun with --traceback for details"
-        print(f"error: {message}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, `run`, print; returns the exit status."""
     args = parser().parse_args(argv)
@@ -379,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         if args.threads is not None:
-            torch.set_num_threads(check_positive_int("threads", args.threads))
+            torch.set_num_threads(usage(lambda: check_positive_int("threads", args.threads)))
         run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
             chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, head_map=args.head_map,
             device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,

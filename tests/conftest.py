@@ -46,6 +46,6 @@ def tiny_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints):
-    """model_type -> `hermes.cli.load_model` of the tiny checkpoint on the CPU."""
-    from hermes.cli import load_model
+    """model_type -> `hermes.commands.load_model` of the tiny checkpoint on the CPU."""
+    from hermes.commands import load_model
     return {family: load_model(path, device="cpu") for family, path in tiny_checkpoints.items()}

@@ -85,6 +85,17 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))
 
 
+def error_line(main, capsys, argv, status: int = 1) -> str:
+    """Run a command's `main(argv)` in-process; assert its exit status, one stderr line `error: ...` and no
+    traceback; return that line."""
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
 def require_c_library(name: str) -> None:
     """Skip when no C compiler is installed; fail when one is but hermes_kernels/<name>.c did not build."""
     reason = native.unavailable_reason(name)

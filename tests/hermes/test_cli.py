@@ -34,7 +34,7 @@ from hermes.models.llava_ov import LlavaOneVisionPilVideoProcessor
 from hermes.models.processing import load_processor
 from hermes.models.qwen2_5_vl import Qwen2_5_VLPilVideoProcessor
 from hermes.stream import HermesStream
-from tests.utils import REPO
+from tests.utils import REPO, error_line
 from tests.hermes.video_files import HEIGHT, WIDTH, decode_all, frame_index, write_video
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -74,13 +74,7 @@ def without_timings(records):
 
 
 def error_of(capsys, argv, status=1) -> str:
-    """Run the command in-process; assert the exit status, a single stderr line and no traceback; return it."""
-    assert cli.main(argv) == status
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
+    return error_line(cli.main, capsys, argv, status)
 
 
 # ---- processors ---------------------------------------------------------------------------------------------
@@ -270,10 +264,11 @@ def test_command_json_in_a_subprocess(tiny_checkpoints, videos, runs):
 
 
 def test_variable_frame_rate_file_and_late_questions(tiny_checkpoints, videos):
-    """From a path: the VFR file's chunks hold the frames on screen at 0, 1, 2, 3 s; a question timed past the
-    end is asked after the last chunk; `on_record` sees every record as it is returned."""
+    """From a path: the VFR file's chunks hold the frames on screen at 0, 1, 2, 3 s; a question timed after the
+    last sampled frame but within the video is asked after the last chunk; `on_record` sees every record as it is
+    returned."""
     seen = []
-    records = cli.run(tiny_checkpoints["llava_onevision"], videos["vfr"], ask_at=[(60, QUESTION)], fps=1,
+    records = cli.run(tiny_checkpoints["llava_onevision"], videos["vfr"], ask_at=[(3.04, QUESTION)], fps=1,
                       chunk_frames=2, budget=20, max_new_tokens=2, device="cpu", on_record=seen.append)
     assert seen == records
     assert [r["sources"] for r in records if r["type"] == "chunk"] == [[0, 2], [4, 5]]
@@ -348,17 +343,18 @@ def test_h2svc_run_matches_the_stream_driven_directly(family, loaded, videos, he
 
 def test_h2svc_command_line(tiny_checkpoints, videos, head_maps, capsys):
     """`--policy h2svc --head-map PATH` from the command line answers; without --head-map the unprofiled default
-    map is used with a warning."""
+    map is used with a warning: one line on stderr, without the source line Python prints under a warning."""
     argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4", "--policy",
             "h2svc", "--question", QUESTION, "--max-new-tokens", "3", "--device", "cpu", "--quiet", "--json"]
     assert cli.main(argv + ["--head-map", head_maps["llava_onevision"]]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["type"] for r in records] == ["chunk"] * 4 + ["answer"]
-    with pytest.warns(UserWarning, match="not profiled"):
-        assert cli.main(argv) == 0
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: head_map: not profiled") and "warnings.warn" not in err[0]
 
 
-# ---- errors: one line, exit status 1, no traceback ------------------------------------------------------------
+# ---- errors: one line, exit status 2 (usage) or 1 (unreadable input), no traceback ----------------------------
 def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
@@ -385,38 +381,47 @@ def bad_inputs(tmp_path_factory, videos):
             "missing": str(folder / "missing.mp4")}
 
 
-@pytest.mark.parametrize("case,args,message", [
-    ("missing video", ["--video", "{missing}"], r"video: no such file"),
-    ("corrupt video", ["--video", "{junk}"], r"video: cannot read .*junk\.mp4"),
-    ("missing model", ["--model", "{missing}"], r"model: no such folder"),
-    ("not a checkpoint", ["--model", "{empty}"], r"has no config\.json"),
-    ("unknown model type", ["--model", "{llama}"], r"model type 'llama' is not supported; supported: llava_onevision"),
-    ("shorter than one chunk", ["--video", "{short}"], r"video: 3 frames sampled at 1 fps, fewer than one chunk of 4"),
-    ("budget too small", ["--budget", "1"], r"budget=1.*HermesConfig\.budget: must be >= 2"),
+# status 1: an input that cannot be read; 2: a setting that cannot work (the command's contract, hermes/cli.py)
+@pytest.mark.parametrize("case,args,message,status", [
+    ("missing video", ["--video", "{missing}"], r"video: no such file", 1),
+    ("corrupt video", ["--video", "{junk}"], r"video: cannot read .*junk\.mp4", 1),
+    ("missing model", ["--model", "{missing}"], r"model: no such folder", 1),
+    ("not a checkpoint", ["--model", "{empty}"], r"has no config\.json", 1),
+    ("unknown model type", ["--model", "{llama}"], r"model type 'llama' is not supported; supported: llava_onevision",
+     2),
+    ("shorter than one chunk", ["--video", "{short}"], r"video: 3 frames sampled at 1 fps, fewer than one chunk of 4",
+     2),
+    ("budget too small", ["--budget", "1"], r"budget=1.*HermesConfig\.budget: must be >= 2", 2),
     ("budget past the positions", ["--budget", "5000"],
-     r"budget=5000.*max_positions: must exceed prefix_len \+ budget"),
-    ("bad fps", ["--fps", "0"], r"fps: expected a positive finite number"),
-    ("bad chunk", ["--chunk-frames", "0"], r"chunk_frames: expected a positive int"),
-    ("bad ask-at", ["--ask-at", "soon:what ?"], r"ask_at: expected TIME:question"),
-    ("head map for hermes", ["--head-map", "{map}"], r"head_map: only --policy h2svc takes a head map"),
-    ("missing head map", ["--policy", "h2svc", "--head-map", "{missing}"], r"head map: no such file"),
+     r"budget=5000.*max_positions: must exceed prefix_len \+ budget", 2),
+    ("bad fps", ["--fps", "0"], r"fps: expected a positive finite number", 2),
+    ("bad chunk", ["--chunk-frames", "0"], r"chunk_frames: expected a positive int", 2),
+    ("bad ask-at", ["--ask-at", "soon:what ?"], r"ask_at: expected TIME:question", 2),
+    ("ask-at past the end", ["--ask-at", "15s:what ?"], r"ask_at: 15 s is past the end of the video \(13\.75 s\)", 2),
+    ("head map for hermes", ["--head-map", "{map}"], r"head_map: only --policy h2svc takes a head map", 2),
+    ("missing head map", ["--policy", "h2svc", "--head-map", "{missing}"], r"head map: no such file", 1),
+    ("corrupt head map", ["--policy", "h2svc", "--head-map", "{junk}"], r"head map .*junk\.mp4: not a JSON head map",
+     1),
     ("head map of another model", ["--policy", "h2svc", "--head-map", "{qwen_map}"],
-     r"policy h2svc, chunk_frames=4: head map .*model_type 'qwen2_5_vl' vs 'llava_onevision'"),
-    ("unknown device", ["--device", "tpu"], r"device: expected"),
-    ("bad threads", ["--threads", "0"], r"threads: expected a positive int"),
+     r"policy h2svc, chunk_frames=4: head map .*model_type 'qwen2_5_vl' vs 'llava_onevision'", 2),
+    ("unknown device", ["--device", "tpu"], r"device: expected", 2),
+    ("bad threads", ["--threads", "0"], r"threads: expected a positive int", 2),
 ])
-def test_bad_input_is_one_clear_line(case, args, message, tiny_checkpoints, videos, bad_inputs, head_maps, capsys):
+def test_bad_input_is_one_clear_line_before_the_model_loads(case, args, message, status, tiny_checkpoints, videos,
+                                                           bad_inputs, head_maps, capsys, monkeypatch):
+    """Every failure is one line naming the argument, with its exit status, and comes before any weights load."""
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model loaded before the checks"))
     paths = {**bad_inputs, **videos, "map": head_maps["llava_onevision"], "qwen_map": head_maps["qwen2_5_vl"]}
     argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4",
             "--question", "yes", "--quiet", "--device", "cpu"] + [a.format(**paths) for a in args]
-    assert re.search(message, error_of(capsys, argv))
+    assert re.search(message, error_of(capsys, argv, status))
     assert capsys.readouterr().out == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 def test_cuda_without_a_gpu_is_one_clear_line(tiny_checkpoints, videos, capsys):
     line = error_of(capsys, ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--device",
-                             "cuda", "--question", "yes", "--quiet"])
+                             "cuda", "--chunk-frames", "4", "--question", "yes", "--quiet"], status=2)
     assert "device: cuda was asked for but torch sees no CUDA device" in line
 
 
@@ -450,7 +455,7 @@ def test_unexpected_errors_are_one_line_unless_traceback_is_asked(tiny_checkpoin
 
     monkeypatch.setattr(family, "prepare_frames", broken)
     argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", videos["cfr"], "--chunk-frames", "4",
-            "--question", "yes", "--quiet", "--device", "cpu"]
+            "--budget", "20", "--question", "yes", "--quiet", "--device", "cpu"]
     line = error_of(capsys, argv)
     assert line == "error: internal error (RuntimeError: boom); rerun with --traceback for details"
     with pytest.raises(RuntimeError, match="boom"):

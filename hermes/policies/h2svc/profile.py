@@ -1,6 +1,6 @@
 """Offline routing of H2SVC heads (docs/h2svc.md §2, spatio-temporal attention profiling) and its command.
 
-    from hermes.cli import load_model
+    from hermes.commands import load_model
     from hermes.policies.h2svc.head_map import save_head_map
     from hermes.policies.h2svc.profile import profile_heads
 
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from hermes.commands import UsageError, usage
 from hermes.models import family_of
 from hermes.video import VideoReader, as_fraction
 from hermes_kernels.checks import check_positive_int
@@ -104,11 +105,23 @@ class _Clip:
 def check_inputs(videos, *, fps, chunk_frames, questions, instant_ratio, short_ratio, max_frames=None,
                  answer_tokens=0, query_block=None) -> tuple[list[_Clip], float, tuple[str, ...]]:
     """Validate `profile_heads`' arguments before any model work (the command calls it before loading the model):
-    every file exists and PyAV opens it. Returns (clips, fps, questions)."""
+    the settings (UsageError), then every file exists and PyAV opens it (FileNotFoundError / ValueError). Returns
+    (clips, fps, questions)."""
     if isinstance(videos, (str, os.PathLike, np.ndarray)):
         videos = [videos]
     if not isinstance(videos, Sequence) or not videos:
         raise ValueError(f"videos: expected video files or uint8 [F, H, W, 3] frame arrays, got {videos!r}")
+    fps = float(usage(lambda: as_fraction(fps, "fps")))
+    for name, value in (("chunk_frames", chunk_frames), ("max_frames", max_frames), ("query_block", query_block)):
+        usage(lambda: check_positive_int(name, value, allow_none=name != "chunk_frames"))
+    if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 0:
+        raise UsageError(f"answer_tokens: expected an int >= 0, got {answer_tokens!r}")
+    if isinstance(questions, str):
+        questions = (questions,)
+    if not isinstance(questions, Sequence) or not questions or \
+            any(not isinstance(q, str) or not q.strip() for q in questions):
+        raise UsageError(f"questions: expected one or more non-empty strings, got {questions!r}")
+    usage(lambda: class_counts(1, instant_ratio, short_ratio))  # the ratios alone: each in [0, 1], sum <= 1
     clips = []
     for video in videos:
         if isinstance(video, (str, os.PathLike)):
@@ -122,18 +135,6 @@ def check_inputs(videos, *, fps, chunk_frames, questions, instant_ratio, short_r
             clips.append(_Clip(video))
         else:
             raise TypeError(f"videos: expected a path or a uint8 [F, H, W, 3] array, got {type(video).__name__}")
-    fps = float(as_fraction(fps, "fps"))
-    check_positive_int("chunk_frames", chunk_frames)
-    check_positive_int("max_frames", max_frames, allow_none=True)
-    check_positive_int("query_block", query_block, allow_none=True)
-    if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 0:
-        raise ValueError(f"answer_tokens: expected an int >= 0, got {answer_tokens!r}")
-    if isinstance(questions, str):
-        questions = (questions,)
-    if not isinstance(questions, Sequence) or not questions or \
-            any(not isinstance(q, str) or not q.strip() for q in questions):
-        raise ValueError(f"questions: expected one or more non-empty strings, got {questions!r}")
-    class_counts(1, instant_ratio, short_ratio)  # the ratios alone: each in [0, 1], sum <= 1
     return clips, fps, tuple(q.strip() for q in questions)
 
 
@@ -239,7 +240,7 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
     """Profile the heads of a loaded LLaVA-OneVision or Qwen2.5-VL model on sample clips and route them
     (docs/h2svc.md §2; the clip layout, the streamed reduction and the text queries are in the module docstring).
 
-    model, processor: as for HermesStream (`hermes.cli.load_model` gives both); the model in eval mode.
+    model, processor: as for HermesStream (`hermes.commands.load_model` gives both); the model in eval mode.
     videos:        video files (decoded with PyAV, sampled at `fps` by timestamp) and/or frames already sampled,
                    uint8 [F, H, W, 3] RGB arrays; each is one clip.
     fps:           frames sampled per second of video (also Qwen2.5-VL's seconds per temporal grid step).
@@ -373,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, check the inputs, load, profile, write; returns the exit status."""
     from transformers.utils import logging as transformers_logging
 
-    from hermes.cli import load_model, run_command
+    from hermes.commands import check_checkpoint, load_model, resolve_device, run_command
 
     args = parser().parse_args(argv)
     transformers_logging.set_verbosity_error()
@@ -383,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         if args.threads is not None:
-            torch.set_num_threads(check_positive_int("threads", args.threads))
+            torch.set_num_threads(usage(lambda: check_positive_int("threads", args.threads)))
+        usage(lambda: resolve_device(args.device))
+        check_checkpoint(args.model)
         check_inputs(args.videos, fps=args.fps, chunk_frames=args.chunk_frames, questions=questions,
                      instant_ratio=args.instant_ratio, short_ratio=args.short_ratio, max_frames=args.max_frames,
                      answer_tokens=args.answer_tokens)

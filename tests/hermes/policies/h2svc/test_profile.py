@@ -27,7 +27,7 @@ from hermes.policies.h2svc.profile import main, profile_heads
 from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores, tad_t2v, tad_v2v
 from hermes.models import family_of
 from hermes.video import VideoReader
-from tests.utils import REPO, assert_close_verbose
+from tests.utils import REPO, assert_close_verbose, error_line
 from tests.hermes.video_files import frame_image, write_video
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -339,14 +339,8 @@ def test_bad_inputs_fail_before_any_forward(loaded, files, monkeypatch, tmp_path
 
 
 # ---- the command ------------------------------------------------------------------------------------------
-def error_of(capsys, argv) -> str:
-    """Run the command in-process; exit status 1, one stderr line, no traceback; return the line."""
-    assert main(argv) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
+def error_of(capsys, argv, status: int = 1) -> str:
+    return error_line(main, capsys, argv, status)
 
 
 def test_command_writes_a_map_that_loads(tiny_checkpoints, loaded, files, tmp_path):
@@ -381,7 +375,8 @@ def test_command_errors_are_one_line(tiny_checkpoints, files, tmp_path, capsys):
                                                         "--videos", files["clip"]])
     assert "out: no such folder" in error_of(capsys, ["--model", model, "--out", str(tmp_path / "a" / "m.json"),
                                                       "--videos", files["clip"]])
-    assert "short_ratio" in error_of(capsys, base + [files["clip"], "--instant-ratio", "0.9"])
+    assert "short_ratio" in error_of(capsys, base + [files["clip"], "--instant-ratio", "0.9"], status=2)
+    assert "device: expected" in error_of(capsys, base + [files["clip"], "--device", "tpu"], status=2)
     assert not os.path.exists(out)
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])

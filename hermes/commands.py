@@ -1,0 +1,134 @@
+"""What both command-line tools share (`python -m hermes`, the H2SVC head profiler): their error contract and
+loading a local checkpoint.
+
+Errors a user can fix are raised with a one-line message naming the argument; `run_command` prints it as one line
+on stderr and returns the exit status: 2 for a `UsageError` (a setting that cannot work with these inputs), 1 for an
+input that cannot be read (a missing or corrupt file) or any other failure, 130 on Ctrl-C. Warnings print as one
+line `warning: ...`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+from typing import Callable
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UsageError(ValueError):
+    """A setting that cannot work with these inputs (the command exits with status 2)."""
+
+
+def usage(check: Callable[[], object]):
+    """`check()`, its ValueError raised again as a UsageError (same message)."""
+    try:
+        return check()
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A checkpoint ready to stream: the model (eval mode, on `device`), its processor and its family."""
+
+    model: torch.nn.Module
+    processor: object
+    family: object
+    path: str
+    device: torch.device
+
+
+def check_checkpoint(path: str | os.PathLike) -> tuple[object, object]:
+    """(config, family) of a local checkpoint folder, from its config.json alone (no weights): FileNotFoundError
+    or ValueError when it cannot be read, UsageError for a model type no family supports."""
+    from transformers import AutoConfig
+
+    from hermes.models import family_of_type
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model: no such folder: {path} (expected a local checkpoint folder)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model: {path} has no config.json; expected a checkpoint saved with save_pretrained")
+    config = AutoConfig.from_pretrained(path)
+    return config, usage(lambda: family_of_type(config.model_type))
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """torch.device from a name; None picks cuda when available, else cpu. ValueError for a device that is
+    not there."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected e.g. cpu, cuda or cuda:1, got {device!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but torch sees no CUDA device (torch.cuda.is_available() "
+                         "is False); use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected cpu or cuda, got {device}")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 on CUDA and float32 on CPU; otherwise a name from DTYPES or a torch.dtype."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype: expected auto or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
+               dtype: str | torch.dtype = "auto", processor=None) -> LoadedModel:
+    """Load a local checkpoint folder: its family from config.json's model_type (checked before any weights
+    load), the model with `AutoModelForImageTextToText`, the processor with `load_processor` (or the one given)."""
+    from transformers import AutoModelForImageTextToText
+
+    from hermes.models.processing import load_processor
+
+    path = os.fspath(path)
+    _, family = check_checkpoint(path)
+    device = usage(lambda: resolve_device(device))
+    dtype = usage(lambda: resolve_dtype(dtype, device))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    processor = load_processor(path, family) if processor is None else processor
+    return LoadedModel(model=model, processor=processor, family=family, path=path, device=device)
+
+
+def run_command(body: Callable[[], None], show_traceback: bool = False) -> int:
+    """Run a command's `body` under the commands' error contract and return the exit status: 0 when it returns;
+    a `UsageError` printed as one line `error: ...` on stderr and 2; another error a user can fix (ValueError,
+    OSError, ImportError, out of memory) as one line and 1; any other exception as one internal-error line and 1;
+    130 on Ctrl-C. Warnings print as one line `warning: ...` on stderr. With show_traceback the exception
+    propagates instead (--traceback)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            body()
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 (the command's contract: one line, no traceback)
+        if show_traceback:
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        if not isinstance(err, (ValueError, OSError, ImportError, torch.OutOfMemoryError)):
+            message = f"internal error ({type(err).__name__}: {message}); rerun with --traceback for details"
+        print(f"error: {message}", file=sys.stderr)
+        return 2 if isinstance(err, UsageError) else 1
+    return 0
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` of the commands: the message alone on one line (no source line under it)."""
+    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr if file is None else file)
