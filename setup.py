@@ -13,6 +13,9 @@ setup(
         "triton>=3.0",
         "transformers>=5.0,<6",
     ],
+    # the commands (docs/cli.md); `python -m hermes` and `python -m hermes.policies.h2svc.profile` run the same
+    entry_points={"console_scripts": ["hermes = hermes.cli:main",
+                                      "hermes-profile = hermes.policies.h2svc.profile:main"]},
     extras_require={
         # av: the tests write and decode .mp4 files (python -m hermes needs it too, see "video")
         "test": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6", "av>=12"],

@@ -1,9 +1,10 @@
-"""`python -m hermes`: stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES (or H2SVC) cache and
-answer questions about it; `run(...)` does the same from Python and returns the records `--json` prints.
+"""`hermes` (or `python -m hermes`): stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES (or
+H2SVC) cache and answer questions about it; `run(...)` does the same from Python and returns the records `--json`
+prints.
 
-    python -m hermes --model PATH --video FILE --question "What is the person holding?"
-    python -m hermes --model PATH --video FILE --ask-at 30s:"What just happened?" --json
-    python -m hermes --model PATH --video FILE --policy h2svc --head-map map.json --question "..."
+    hermes --model PATH --video FILE --question "What is the person holding?"
+    hermes --model PATH --video FILE --ask-at 30s:"What just happened?" --json
+    hermes --model PATH --video FILE --policy h2svc --head-map map.json --question "..."
 
 The path of one run: the checkpoint's config names the model family (`hermes.models`), the model loads with
 `AutoModelForImageTextToText` and its processor with `load_processor` (the real video processor, or the
@@ -294,7 +295,7 @@ def parser() -> argparse.ArgumentParser:
         return textwrap.fill(text, width=100)
 
     p = argparse.ArgumentParser(
-        prog="python -m hermes",
+        prog="hermes",
         description=wrap("Stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES KV cache (memory "
                          "stays at the budget however long the video) or an H2SVC one (per-head frame memories) and "
                          "answer questions about it."),
@@ -304,7 +305,7 @@ def parser() -> argparse.ArgumentParser:
                  "of input."),
             wrap("Output: answers on stdout (with --json one JSON record per chunk and per answer); progress on "
                  "stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command line."),
-            "Example:\n  python -m hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
+            "Example:\n  hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
             "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="PATH",
@@ -326,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="hermes",
                    help="KV-cache policy: hermes (default) or h2svc (per-head frame memories)")
     p.add_argument("--head-map", metavar="PATH", default=None,
-                   help="--policy h2svc: head map from python -m hermes.policies.h2svc.profile (checked against "
+                   help="--policy h2svc: head map from hermes-profile (checked against "
                         "the model); default: the unprofiled depth-order map, with a warning")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",

@@ -1,4 +1,4 @@
-"""What both command-line tools share (`python -m hermes`, the H2SVC head profiler): their error contract and
+"""What both command-line tools share (`hermes`, `hermes-profile`): their error contract and
 loading a local checkpoint.
 
 Errors a user can fix are raised with a one-line message naming the argument; `run_command` prints it as one line

@@ -460,3 +460,16 @@ def test_unexpected_errors_are_one_line_unless_traceback_is_asked(tiny_checkpoin
     assert line == "error: internal error (RuntimeError: boom); rerun with --traceback for details"
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(argv + ["--traceback"])
+
+
+def test_console_scripts_run_the_commands():
+    """`pip install` puts `hermes` and `hermes-profile` on the path; they are the commands' `main`."""
+    from importlib.metadata import entry_points
+
+    from hermes.policies.h2svc import profile
+
+    scripts = {ep.name: ep for ep in entry_points(group="console_scripts") if ep.name in ("hermes", "hermes-profile")}
+    assert scripts["hermes"].load() is cli.main and scripts["hermes-profile"].load() is profile.main
+    done = subprocess.run([sys.executable, "-c", "import sys; from hermes.cli import main; sys.exit(main())",
+                           "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: hermes ")

@@ -165,7 +165,7 @@ def check_head_map(profile: HeadProfile, model, source: str = "head map") -> Non
         raise ValueError(f"{source}: profiled for another model: {'; '.join(differences)} (map vs model). The map "
                          f"was made for {profile.model_type} with {profile.num_layers} layers x "
                          f"{profile.num_kv_heads} KV heads ({profile.model_name or 'unnamed'}); profile this model "
-                         f"with python -m hermes.policies.h2svc.profile")
+                         f"with hermes-profile")
     base = os.path.basename(os.path.normpath(name)) if name else ""
     profiled = os.path.basename(os.path.normpath(profile.model_name)) if profile.model_name else ""
     if base and profiled and base != profiled:

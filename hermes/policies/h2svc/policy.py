@@ -30,7 +30,7 @@ class H2SVCPolicy(StreamPolicy):
 
     Args (HermesStream keyword arguments):
         head_map:         which class every (layer, KV head) belongs to:
-                          - a path to a profiler JSON (`python -m hermes.policies.h2svc.profile`), checked against
+                          - a path to a profiler JSON (`hermes-profile`), checked against
                             the model (`load_head_map`: another model type or shape is refused);
                           - a `HeadProfile` (checked the same way);
                           - an int [L, Hkv] map (tensor or nested lists) of INSTANT / SHORT / EPISODIC;

@@ -8,7 +8,7 @@
     profile = profile_heads(loaded.model, loaded.processor, ["a.mp4", "b.mp4"], fps=1, chunk_frames=16)
     save_head_map(profile, "map.json")          # hermes.policies.h2svc.head_map: the file and its checks
 
-    python -m hermes.policies.h2svc.profile --model PATH --videos a.mp4 b.mp4 --out map.json
+    hermes-profile --model PATH --videos a.mp4 b.mp4 --out map.json
 
 A clip runs as the stream lays it out, with a full cache (nothing evicted): the system prefix
 (`family.prefix_text`), the sampled frames chunk by chunk (`hermes.video` samples by timestamp,
@@ -318,7 +318,7 @@ def parser() -> argparse.ArgumentParser:
         return textwrap.fill(text, width=100)
 
     p = argparse.ArgumentParser(
-        prog="python -m hermes.policies.h2svc.profile",
+        prog="hermes-profile",
         description=wrap("Profile the attention heads of a LLaVA-OneVision or Qwen2.5-VL checkpoint on sample "
                          "videos (eager attention, docs/h2svc.md §2) and write the H2SVC head map: every (layer, KV "
                          "head) routed to the instant, short or episodic memory."),
@@ -326,7 +326,7 @@ def parser() -> argparse.ArgumentParser:
             wrap("Output: the JSON head map at --out (model name and type, layers, KV heads, ratios, the class of "
                  "every head, TAD_V2V / TAD_T2V / S per head, the clips used); a summary on stdout; progress on "
                  "stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command line."),
-            "Example:\n  python -m hermes.policies.h2svc.profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
+            "Example:\n  hermes-profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
             "      --videos clips/*.mp4 --max-frames 64 --out llava-ov-7b.h2svc.json"]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="PATH",
