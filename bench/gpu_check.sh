@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One check on a CUDA machine: the kernel tests on the GPU (HERMES and H2SVC stages), then the benchmark tables at
 # the LLaVA-OV-7B and Qwen2.5-VL-7B shapes in fp16 (triton, torch, reference): the HERMES stages, then the H2SVC
-# stages (frame features, STCE, the step of all three class blocks; 16-frame chunks, full memories),
+# stages (frame features, STCE, the step of all three class blocks; 16-frame chunks, full memories), then the
+# stages that rotate keys at the Qwen3-VL-8B shape (interleaved M-RoPE sections; triton and torch),
 # each with the device-to-device copy bandwidth measured in the same run for the floor ratio.
 #
 #   bash bench/gpu_check.sh OUTDIR
 #
 # Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional; pytest-xdist used when there)
 # already installed; installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt,
-# tests.log, kernels.log, bench.log, bench_h2svc.log, <gpu>.csv, <gpu>.png. Sized for a 15-minute device lease
-# with room for one rerun: at most 7 minutes (2.5 for the tests, 1 for the static compile table, 2 for the
-# HERMES table, 1.5 for the H2SVC table); the exit status is non-zero if the tests, the compile check or a
-# benchmark failed.
+# tests.log, kernels.log, bench.log, bench_h2svc.log, bench_qwen3_vl.log, <gpu>.csv, <gpu>.png. Sized for a
+# 15-minute device lease with room for one rerun: at most 8 minutes (2.5 for the tests, 1 for the static compile
+# table, 2 for the HERMES table, 1.5 for the H2SVC table, 0.75 for Qwen3-VL-8B); the exit status is non-zero if the
+# tests, the compile check or a benchmark failed.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -51,7 +52,7 @@ timeout 150 "$python" -m pytest "${cuda_tests[@]}" "${workers[@]}" -q -p no:cach
 #    the measured times (python -m bench.kernels; it compiles for sm_80/sm_90 and needs no device).
 echo "== kernel compile table"
 kernels_rc=0
-timeout 60 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b --dtypes fp16 \
+timeout 60 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b qwen3-vl-8b --dtypes fp16 \
     --jobs "$(nproc)" 2>&1 | tee "$out/kernels.log" || kernels_rc=$?
 
 # 3. The benchmark table (the reference is slow Python per layer: fewer repeats).
@@ -71,8 +72,17 @@ timeout 90 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b -
     --repeats 30 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --results-dir "$out" 2>&1 \
     | tee "$out/bench_h2svc.log" || h2svc_rc=$?
 
+# 5. Qwen3-VL-8B (36 layers, 8 KV heads, interleaved M-RoPE sections): the stages that rotate keys by a position
+#    delta, triton and torch only (the reference's per-layer loops are what makes steps 3-4 slow; agreement with it
+#    is the tests' job).
+echo "== benchmark: Qwen3-VL-8B, interleaved M-RoPE"
+qwen3_rc=0
+timeout 45 "$python" -m bench --device cuda --shapes qwen3-vl-8b --dtypes float16 --budgets 6000 --chunks 16 \
+    --stages compact step h2svc_step --backends torch triton --repeats 20 --warmup 2 --no-e2e --no-plot \
+    --results-dir "$out" 2>&1 | tee "$out/bench_qwen3_vl.log" || qwen3_rc=$?
+
 echo "== gpu_check: tests exit ${tests_rc}, compile check exit ${kernels_rc}, bench exit ${bench_rc}, H2SVC bench exit" \
-    "${h2svc_rc}; results in $out"
-if [[ $tests_rc -ne 0 || $kernels_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 ]]; then
+    "${h2svc_rc}, Qwen3-VL bench exit ${qwen3_rc}; results in $out"
+if [[ $tests_rc -ne 0 || $kernels_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 || $qwen3_rc -ne 0 ]]; then
     exit 1
 fi

@@ -1,10 +1,11 @@
 """`python -m bench.kernels`: every Triton kernel built for sm_80 and sm_90 without a GPU, and what it costs there.
 
 1. Record: every spec of `hermes_kernels.gpu_specs` drives its launcher at every `spec_cases()` case of its type
-   inside `launch.recording()`, on meta tensors laid out as the streaming caches lay them out: HERMES steps (the two
-   7B shapes of bench/shapes.py, each cache dtype, both budgets, every re-index trigger) and H2SVC steps (the same
-   shapes' class blocks with full memories, each cache dtype, 16- and 8-frame chunks, re-index on and off), each
-   also at head dims 64 and 256 and with two streams; 1D and M-RoPE.
+   inside `launch.recording()`, on meta tensors laid out as the streaming caches lay them out: HERMES steps (the
+   LLaVA-OV-7B, Qwen2.5-VL-7B and Qwen3-VL-8B shapes of bench/shapes.py, each cache dtype, both budgets, every
+   re-index trigger) and H2SVC steps (the same shapes' class blocks with full memories, each cache dtype, 16- and
+   8-frame chunks, re-index on and off), each also at head dims 64 and 256 and with two streams; 1D RoPE and M-RoPE
+   with contiguous and interleaved sections.
 2. Specialise each recorded launch for a target exactly as `JITFunction.run` does (Triton's own binder: pointer and
    integer alignment, stride-1 and other constexpr specialisation); tensor addresses are those of a fresh
    allocation plus the view's offset. Identical (kernel, signature, constexprs, attributes, options) compile once.
@@ -67,7 +68,8 @@ _BASE_ADDRESS = 1 << 32
 # ----------------------------------------------------------------------------------------------------------------
 
 def _with_head_dim(shape: ModelShape, head_dim: int) -> ModelShape:
-    """The shape with another head dim (M-RoPE sections scaled with it): the D = 64 / 256 variants."""
+    """The shape with another head dim (M-RoPE sections scaled with it, interleaved or not): the D = 64 / 256
+    variants."""
     section = None
     if shape.mrope_section is not None:
         section = tuple(s * head_dim // shape.head_dim for s in shape.mrope_section)
@@ -79,7 +81,7 @@ def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int =
     chunk = CHUNK_FRAMES * TOKENS_PER_FRAME
     label = f"{shape.name} {dtype} b{budget} {reindex}" + (f" B={batch}" if batch > 1 else "")
     return HermesCase(label=label, num_layers=shape.num_layers, num_heads=shape.num_heads,
-                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mrope_section=shape.mrope_section,
+                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mrope_section=shape.rotary,
                     dtype=_DTYPES[dtype], cfg=cfg, chunk_tokens=chunk, capacity=cfg.prefix_len + budget + chunk + _ROOM,
                     guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
 
@@ -88,7 +90,7 @@ def _h2svc_case(shape: ModelShape, dtype: str, chunk_frames: int, reindex: bool,
                 batch: int = 1) -> H2SVCCase:
     label = (f"{shape.name} h2svc {dtype} F{chunk_frames} {'reindex' if reindex else 'no-reindex'}"
              + (f" B={batch}" if batch > 1 else ""))
-    return H2SVCCase(label=label, head_dim=shape.head_dim, mrope_section=shape.mrope_section,
+    return H2SVCCase(label=label, head_dim=shape.head_dim, mrope_section=shape.rotary,
                                dtype=_DTYPES[dtype], cfg=shape.h2svc_config(), chunk_frames=chunk_frames,
                                reindex=reindex, batch=batch)
 
@@ -97,29 +99,30 @@ def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None,
                policies: list[str] | None = None) -> list:
     """The cases every spec is driven at (each spec at the cases of its type).
 
-    HERMES (`HermesCase`; 16-frame chunks, the stream's default room, one stream unless said): the 7B shapes
-    (LLaVA-OV 1D, Qwen2.5-VL M-RoPE) x fp16/bf16/fp32 x budgets 6000/4000 x re-index lazy/eager/given; head dims
-    64 and 256 (LLaVA-OV-0.5B, and the 7B shapes at D = 64 / 256) x each dtype at budget 6000, lazy; the 7B shapes
-    with two streams (fp16, 6000, lazy: B = 1 is specialised as a constant, so B > 1 compiles apart).
-    H2SVC (`H2SVCCase`; the default head map and windows, full memories): the 7B shapes x each dtype x 16- and
-    8-frame chunks x re-index on/off; the D = 64 / 256 shapes x each dtype x 16 frames x re-index on/off; the 7B
-    shapes with two streams (fp16, 16 frames, re-index on/off).
+    HERMES (`HermesCase`; 16-frame chunks, the stream's default room, one stream unless said): the headline shapes
+    (LLaVA-OV-7B 1D, Qwen2.5-VL-7B M-RoPE in contiguous sections, Qwen3-VL-8B M-RoPE in interleaved ones) x
+    fp16/bf16/fp32 x budgets 6000/4000 x re-index lazy/eager/given; head dims 64 and 256 (LLaVA-OV-0.5B, and the 7B
+    shapes at D = 64 / 256) x each dtype at budget 6000, lazy; the headline shapes with two streams (fp16, 6000,
+    lazy: B = 1 is specialised as a constant, so B > 1 compiles apart).
+    H2SVC (`H2SVCCase`; the default head map and windows, full memories): the headline shapes x each dtype x 16-
+    and 8-frame chunks x re-index on/off; the D = 64 / 256 shapes x each dtype x 16 frames x re-index on/off; the
+    headline shapes with two streams (fp16, 16 frames, re-index on/off).
     `models` / `dtypes` / `streams` / `policies` keep only those model names (as labelled) / dtypes / stream
     counts / policies ("hermes", "h2svc")."""
-    seven = [SHAPES["llava-ov-7b"], SHAPES["qwen2.5-vl-7b"]]
-    dims = [SHAPES["llava-ov-0.5b"], _with_head_dim(seven[1], 64), _with_head_dim(seven[0], 256),
-            _with_head_dim(seven[1], 256)]
+    headline = [SHAPES["llava-ov-7b"], SHAPES["qwen2.5-vl-7b"], SHAPES["qwen3-vl-8b"]]
+    dims = [SHAPES["llava-ov-0.5b"], _with_head_dim(headline[1], 64), _with_head_dim(headline[0], 256),
+            _with_head_dim(headline[1], 256)]
     budgets = sorted(BUDGETS, reverse=True)  # docs/hermes.md §4's 6K first: it names the rows of the table
     hermes, h2svc = [], []
     for dtype in dtypes or list(_DTYPES):
-        hermes += [_case(s, dtype, b, r) for s in seven for b in budgets for r in ("lazy", "eager", "given")]
+        hermes += [_case(s, dtype, b, r) for s in headline for b in budgets for r in ("lazy", "eager", "given")]
         hermes += [_case(s, dtype, budgets[0], "lazy") for s in dims]
-        h2svc += [_h2svc_case(s, dtype, f, r) for s in seven for f in (CHUNK_FRAMES, CHUNK_FRAMES // 2)
+        h2svc += [_h2svc_case(s, dtype, f, r) for s in headline for f in (CHUNK_FRAMES, CHUNK_FRAMES // 2)
                   for r in (True, False)]
         h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r) for s in dims for r in (True, False)]
         if dtype == "fp16":
-            hermes += [_case(s, dtype, budgets[0], "lazy", batch=2) for s in seven]
-            h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r, batch=2) for s in seven for r in (True, False)]
+            hermes += [_case(s, dtype, budgets[0], "lazy", batch=2) for s in headline]
+            h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r, batch=2) for s in headline for r in (True, False)]
     cases = [c for policy, group in (("hermes", hermes), ("h2svc", h2svc)) if policies is None or policy in policies
              for c in group]
     return [c for c in cases if (models is None or c.label.split()[0] in models)

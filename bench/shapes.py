@@ -1,15 +1,16 @@
 """The one registry of model shapes the benchmarks run at, plus the streaming defaults (docs/hermes.md §4).
 
 A shape is what the compression step sees of a model: layer count, query/KV heads, head dim, RoPE base and
-position limit, and the M-RoPE section for Qwen2.5-VL. Numbers are the models' published configs. Each shape
-names its family's preset of both policies: HERMES (`config`) and H2SVC (`h2svc_config`).
+position limit, and the M-RoPE sections (contiguous for Qwen2.5-VL, interleaved for Qwen3-VL; `rotary`). Numbers
+are the models' published configs. Each shape names its family's preset of both policies: HERMES (`config`) and
+H2SVC (`h2svc_config`).
 """
 from __future__ import annotations
 
 import dataclasses
 import torch
 
-from hermes_kernels import H2SVCConfig, HermesConfig
+from hermes_kernels import H2SVCConfig, HermesConfig, RotaryLayout
 
 TOKENS_PER_FRAME = 196      # 14 x 14 merged patches per frame (LLaVA-OV after pooling, Qwen2.5-VL merged grid)
 GRID_WIDTH = 14             # merged-grid width; M-RoPE h/w coordinates come from it
@@ -31,8 +32,17 @@ class ModelShape:
     rope_theta: float
     max_positions: int
     preset_name: str  # the family's preset in both policies' configs (`HermesConfig.preset`, `H2SVCConfig.preset`)
-    mrope_section: tuple[int, int, int] | None = None
+    mrope_section: tuple[int, int, int] | None = None  # M-RoPE pairs per axis (t, h, w); None: 1D RoPE
+    mrope_interleaved: bool = False  # the sections interleave pair by pair (Qwen3-VL), else contiguous blocks
     h2svc_windows: tuple[int, int, int] | None = None  # (W_s, W_w, N_e) frames; None: the paper's 4 / 16 / 64
+
+    @property
+    def rotary(self) -> RotaryLayout | None:
+        """Which position axis turns each frequency pair, as the ops take it (`mrope_section`); None: 1D RoPE."""
+        if self.mrope_section is None:
+            return None
+        build = RotaryLayout.interleaved if self.mrope_interleaved else RotaryLayout.sections
+        return build(self.mrope_section)
 
     def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Default-RoPE inverse frequencies, float32 [D/2]: theta ** (-2i / D)."""
@@ -65,6 +75,9 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("qwen2.5-vl-3b", num_layers=36, num_heads=16, num_kv_heads=2, head_dim=128, rope_theta=1e6,
                max_positions=128000, preset_name="qwen2_5_vl",
                mrope_section=(16, 24, 24)),
+    ModelShape("qwen3-vl-8b", num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e6,
+               max_positions=262144, preset_name="qwen3_vl",
+               mrope_section=(24, 20, 20), mrope_interleaved=True),
 )}
 
 # Tiny geometry for smoke runs (--quick, tests/bench/test_bench.py); not a real model, so not in SHAPES. Their H2SVC
@@ -76,6 +89,9 @@ SMOKE_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("smoke-mrope", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4,
                max_positions=4096, preset_name="qwen2_5_vl",
                mrope_section=(4, 6, 6), h2svc_windows=(2, 4, 8)),
+    ModelShape("smoke-mrope-interleaved", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4,
+               max_positions=4096, preset_name="qwen3_vl",
+               mrope_section=(6, 5, 5), mrope_interleaved=True, h2svc_windows=(2, 4, 8)),
 )}
 
 

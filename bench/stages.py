@@ -159,7 +159,7 @@ def setup_compact(inputs: Inputs, backend: str) -> Case:
     spec = inputs.spec
     keep = inputs.keep
     return Case(run=lambda: op(inputs.work_keys, inputs.work_values, inputs.work_positions, keep, spec.cfg,
-                               inputs.inv_freq, spec.shape.mrope_section),
+                               inputs.inv_freq, spec.shape.rotary),
                 bytes_moved=floor_bytes(spec)["compact"], reset=inputs.reset, has_floor=True)
 
 
@@ -168,7 +168,7 @@ def setup_step(inputs: Inputs, backend: str) -> Case:
     op = backend_op(backend, "compress_step")
     spec = inputs.spec
     return Case(run=lambda: op(inputs.work_keys, inputs.work_values, inputs.work_positions, inputs.attn, spec.cfg,
-                               inputs.inv_freq, spec.shape.mrope_section),
+                               inputs.inv_freq, spec.shape.rotary),
                 bytes_moved=floor_bytes(spec)["step"], reset=inputs.reset, has_floor=True)
 
 
@@ -225,7 +225,7 @@ def setup_h2svc_step(inputs: H2SVCInputs, backend: str) -> Case:
     place (features, STCE, slot plan, moves, re-index when eager); reset before each run."""
     op = backend_op(backend, "h2svc_step", "h2svc")
     spec = inputs.spec
-    section = spec.shape.mrope_section
+    section = spec.shape.rotary
 
     def run():
         for cls, block in inputs.blocks.items():

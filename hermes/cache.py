@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hermes_kernels.checks import check_positive_int
+from hermes_kernels.rope import RotaryLayout
 
 _HANDOFF = threading.local()
 T = TypeVar("T")
@@ -115,7 +116,8 @@ class _LayerView(CacheLayerMixin):
 
 
 def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
-               mrope_section: Sequence[int] | None, layer_devices: Sequence[torch.device | str] | None,
+               mrope_section: Sequence[int] | RotaryLayout | None,
+               layer_devices: Sequence[torch.device | str] | None,
                stack_bounds: Sequence[int]) -> list[tuple[torch.device, int, int]]:
     """Check a cache's geometry and split its layers into runs that share one buffer: (device, first, end) for
     consecutive layers on one device, cut again at every `stack_bounds` entry. ValueError naming the argument.
@@ -131,9 +133,7 @@ def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim:
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,):
         raise ValueError(f"inv_freq: expected a tensor of shape [D/2={head_dim // 2}], got "
                          f"{getattr(inv_freq, 'shape', type(inv_freq).__name__)}")
-    if mrope_section is not None and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
-        raise ValueError(f"mrope_section: expected three pair counts summing to D/2={head_dim // 2}, "
-                         f"got {list(mrope_section)}")
+    RotaryLayout.of(mrope_section, head_dim // 2)  # ValueError / TypeError naming mrope_section
     devices = [torch.device(d) for d in (layer_devices or [inv_freq.device] * num_layers)]
     if len(devices) != num_layers:
         raise ValueError(f"layer_devices: expected one device per layer ({num_layers}), got {len(devices)}")
@@ -165,9 +165,11 @@ class StreamCacheBase(Cache):
     Their in-place step runs through `_step_in_place`.
     """
 
-    def _init_stream(self, num_layers: int, batch_size: int, mrope_section: Sequence[int] | None) -> None:
-        """The shared fields (call first: the layer views hold only a weak proxy of the cache)."""
-        self.mrope_section = None if mrope_section is None else [int(s) for s in mrope_section]
+    def _init_stream(self, num_layers: int, batch_size: int, mrope_section: Sequence[int] | RotaryLayout | None,
+                     head_dim: int) -> None:
+        """The shared fields (call first: the layer views hold only a weak proxy of the cache). `mrope_section`
+        is stored as the `RotaryLayout` of D/2 pairs every rotation of the cache reads (1D RoPE included)."""
+        self.mrope_section = RotaryLayout.of(mrope_section, head_dim // 2)
         self._batch_size = batch_size
         self._steps = 0
         self._compactions = 0
@@ -216,7 +218,8 @@ class StreamCacheBase(Cache):
 
     @property
     def mrope(self) -> bool:
-        return self.mrope_section is not None
+        """Positions carry three axes (t, h, w): [..., 3, N] instead of [..., N]."""
+        return self.mrope_section.num_axes == 3
 
     @property
     def is_compileable(self) -> bool:
@@ -377,7 +380,8 @@ class StreamCacheBase(Cache):
 
 def prefill(language_model: torch.nn.Module, cache: StreamCacheBase, chunk, **context) -> None:
     """Store a chunk (`hermes.models.VideoChunk`): one forward of its embeddings [B, T, hidden] at its relative
-    positions; `context`: the policy cache's own `forward_context` arguments (H2SVC: frames, extent)."""
+    positions, with the family's extra arguments (`chunk.lm_kwargs()`: Qwen3-VL's DeepStack); `context`: the policy
+    cache's own `forward_context` arguments (H2SVC: frames, extent)."""
     with cache.forward_context(chunk.rel_positions, **context):
         language_model(inputs_embeds=chunk.embeds, position_ids=cache.default_position_ids(chunk.embeds.shape[1]),
-                       cache=cache, use_cache=True)
+                       cache=cache, use_cache=True, **chunk.lm_kwargs())

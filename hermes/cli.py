@@ -1,6 +1,6 @@
-"""`hermes` (or `python -m hermes`): stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES (or
-H2SVC) cache and answer questions about it; `run(...)` does the same from Python and returns the records `--json`
-prints.
+"""`hermes` (or `python -m hermes`): stream a video file through LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL with a
+HERMES (or H2SVC) cache and answer questions about it; `run(...)` does the same from Python and returns the records
+`--json` prints.
 
     hermes --model PATH --video FILE --question "What is the person holding?"
     hermes --model PATH --video FILE --ask-at 30s:"What just happened?" --json
@@ -233,7 +233,7 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
 
     def prepare(chunk) -> tuple[dict, float]:
         start = time.perf_counter()
-        inputs = loaded.family.prepare_frames(loaded.processor, chunk.frames, fps)
+        inputs = loaded.family.prepare_frames(loaded.processor, chunk.frames, fps, start=chunk.start)
         return inputs, 1000 * (time.perf_counter() - start)
 
     with VideoReader(video) as reader:
@@ -296,9 +296,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="hermes",
-        description=wrap("Stream a video file through LLaVA-OneVision or Qwen2.5-VL with a HERMES KV cache (memory "
-                         "stays at the budget however long the video) or an H2SVC one (per-head frame memories) and "
-                         "answer questions about it."),
+        description=wrap("Stream a video file through LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL with a HERMES KV cache "
+                         "(memory stays at the budget however long the video) or an H2SVC one (per-head frame "
+                         "memories) and answer questions about it."),
         epilog="\n\n".join([
             wrap("Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes "
                  "their time; with neither, questions are read from stdin, one a line, until an empty line or end "
@@ -310,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="PATH",
                    help="local checkpoint folder (config.json, weights, tokenizer, processor configs) of a "
-                        "llava_onevision or qwen2_5_vl model")
+                        "llava_onevision, qwen2_5_vl or qwen3_vl model")
     p.add_argument("--video", required=True, metavar="FILE", help="video file PyAV can decode (mp4, mkv, webm, ...)")
     p.add_argument("--question", action="append", default=[], metavar="TEXT",
                    help="question asked after the whole video (repeatable, asked in order)")

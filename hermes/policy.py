@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
+from hermes_kernels.rope import RotaryLayout
+
 if TYPE_CHECKING:
     from hermes.cache import StreamCacheBase
     from hermes.models import VideoChunk
@@ -46,8 +48,8 @@ class ModelGeometry:
     dtype:         keys' and values' storage dtype (the model's).
     max_positions: the model's max_position_embeddings.
     prefix_len:    P, tokens of the stream's system prefix.
-    inv_freq:      [D/2] rotary inverse frequencies from the model's rotary module; mrope_section: M-RoPE pair
-                   counts (t, h, w), or None for 1D RoPE (`ModelFamily.rotary`).
+    inv_freq:      [D/2] rotary inverse frequencies from the model's rotary module; mrope_section: the axis of
+                   each frequency pair (`RotaryLayout`), or None for 1D RoPE (`ModelFamily.rotary`).
     layer_devices: the device of every layer (a model split with `device_map` has several).
     """
 
@@ -59,7 +61,7 @@ class ModelGeometry:
     max_positions: int
     prefix_len: int
     inv_freq: torch.Tensor
-    mrope_section: list[int] | None
+    mrope_section: RotaryLayout | None
     layer_devices: list[torch.device]
 
     @classmethod

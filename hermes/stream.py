@@ -1,6 +1,6 @@
 """The streaming front: feed video chunk by chunk, ask questions, memory stays flat (docs/stream.md).
 
-    stream = HermesStream(model, processor, budget=6000)       # LLaVA-OneVision or Qwen2.5-VL, HERMES policy
+    stream = HermesStream(model, processor, budget=6000)       # LLaVA-OV, Qwen2.5-VL or Qwen3-VL, HERMES policy
     stream = HermesStream(model, processor, policy="h2svc", head_map="map.json")   # or H2SVC (docs/h2svc.md)
     stream.append_video(chunk)                                 # prefill, then the policy's step
     print(stream.ask("What is the person holding?", max_new_tokens=32))
@@ -46,20 +46,21 @@ from hermes_kernels.dispatch import check_backend
 
 
 class HermesStream:
-    """A KV-cache policy (HERMES by default) over a loaded LLaVA-OneVision or Qwen2.5-VL model, for `batch_size`
-    streams in lockstep.
+    """A KV-cache policy (HERMES by default) over a loaded LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL model, for
+    `batch_size` streams in lockstep.
 
     Args:
-        model:        a loaded `LlavaOnevisionForConditionalGeneration` or `Qwen2_5_VLForConditionalGeneration`;
+        model:        a loaded `LlavaOnevisionForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration` or
+                      `Qwen3VLForConditionalGeneration`;
                       its language model's attention is switched to "hermes" (`hermes.attention`).
         processor:    the model's processor (its tokenizer and video processor are used) or a tokenizer.
         policy:       the cache policy by its registered name (`hermes.policy.policy_names()`): "hermes"
                       (docs/hermes.md) or "h2svc" (docs/h2svc.md).
         batch_size:   streams advanced in lockstep (each chunk brings one clip per stream).
-        chunk_frames: frames per chunk; with `frame_size` (Qwen2.5-VL) it sizes the chunk room of the cache;
+        chunk_frames: frames per chunk; with `frame_size` (Qwen-VL) it sizes the chunk room of the cache;
                       `chunk_tokens` sets that room directly.
         room:         slots past the kept tokens and a chunk, for guidance prompts and a question with its answer.
-        frame_size:   (height, width) of the processed frames (Qwen2.5-VL: sizes the chunks and H2SVC's frames).
+        frame_size:   (height, width) of the processed frames (Qwen-VL: sizes the chunks and H2SVC's frames).
         system_prompt: text of the system turn in the prefix (default: the family's).
         backend:      "auto" | "triton" | "torch": hermes_kernels backend of the policy's kernels (HERMES: the
                       guidance pooled attention and the compression step; H2SVC: the class-block step).
@@ -89,7 +90,7 @@ class HermesStream:
         self.language_model = self.family.language_model(model)
         self.prefix_ids = self._encode(self.family.prefix_text(system_prompt))
         if chunk_tokens is None:
-            chunk_tokens = self.family.tokens_per_chunk(model, chunk_frames, frame_size)
+            chunk_tokens = self.family.tokens_per_chunk(model, chunk_frames, frame_size, tokenizer=self.tokenizer)
         self.chunk_tokens = check_positive_int("chunk_tokens", chunk_tokens)
         self.last_convs: list[str | None] = [None] * batch_size
         self.last_step: Any = None
@@ -115,10 +116,11 @@ class HermesStream:
         """Append one chunk (one clip per stream) and run the policy's step: HERMES compresses when the budget is
         exceeded, H2SVC steps every class block after every chunk.
 
-        video: model-ready pixel values (LLaVA-OV [B, F, C, S, S]; Qwen2.5-VL flattened patches with
+        video: model-ready pixel values (LLaVA-OV [B, F, C, S, S]; Qwen-VL flattened patches with
         `grid_thw=`) or raw frames for the processor's video processor. Qwen2.5-VL also takes
-        `seconds_per_grid=`. Returns the step's result (HERMES `CompressResult`, H2SVC `H2SVCChunkResult`), or
-        None when no step ran. All or nothing: see the module docstring.
+        `seconds_per_grid=`, Qwen3-VL `timestamps=` (seconds of each temporal step). Returns the step's result
+        (HERMES `CompressResult`, H2SVC `H2SVCChunkResult`), or None when no step ran. All or nothing: see the
+        module docstring.
         """
         self._check_usable()
         with torch.no_grad():

@@ -15,7 +15,9 @@ from .policies.h2svc.ops import frame_features, h2svc_step, stce_select
 from .policies.hermes.config import HermesConfig
 from .policies.hermes.ops import compact, compress_stacks, compress_step, hermes_scores, pooled_attention, select_keep
 from .results import CompressResult, H2SVCStepResult
+from .rope import RotaryLayout
 
 __all__ = ["pooled_attention", "hermes_scores", "select_keep", "compact", "compress_step", "compress_stacks",
            "frame_features", "stce_select", "h2svc_step", "HermesConfig", "H2SVCConfig", "CompressResult",
-           "H2SVCStepResult", "INSTANT", "SHORT", "EPISODIC", "BACKENDS", "resolve_backend", "launch_count"]
+           "H2SVCStepResult", "RotaryLayout", "INSTANT", "SHORT", "EPISODIC", "BACKENDS", "resolve_backend",
+           "launch_count"]

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from .dtypes import CACHE_DTYPES
+from .rope import RotaryLayout
 
 REINDEX_MODES = ("lazy", "eager")  # when positions are re-indexed (docs/hermes.md §2.7, docs/h2svc.md §4)
 
@@ -64,26 +65,23 @@ def check_keys_values(keys, values, ndim: int, shape_doc: str) -> None:
     check_same_device("values", values, "keys", keys)
 
 
-def check_positions(positions, leading: list[int], length: int, mrope_section: Sequence[int] | None,
-                    keys: torch.Tensor) -> None:
-    """Position ids int64 [*leading, N] (1D RoPE) or [*leading, 3, N] (M-RoPE: t, h, w) on keys' device."""
-    expected = [*leading, 3, length] if mrope_section is not None else [*leading, length]
+def check_positions(positions, leading: list[int], length: int, layout: RotaryLayout, keys: torch.Tensor) -> None:
+    """Position ids int64 [*leading, N] (a 1D layout) or [*leading, 3, N] (M-RoPE: t, h, w) on keys' device."""
+    mrope = layout.num_axes == 3
+    expected = [*leading, 3, length] if mrope else [*leading, length]
     check_tensor("positions", positions, (len(expected),), (torch.int64,),
-                 f"{expected} int64" + (" (M-RoPE: t, h, w)" if mrope_section is not None else ""))
+                 f"{expected} int64" + (" (M-RoPE: t, h, w)" if mrope else ""))
     if list(positions.shape) != expected:
         raise ValueError(f"positions: expected {expected} int64, got {tuple(positions.shape)}")
     check_same_device("positions", positions, "keys", keys)
 
 
-def check_rotary(inv_freq, mrope_section: Sequence[int] | None, head_dim: int) -> None:
-    """inv_freq [D/2] float; mrope_section None (1D RoPE) or three pair counts (t, h, w) summing to D/2."""
+def check_rotary(inv_freq, mrope_section: Sequence[int] | RotaryLayout | None, head_dim: int) -> RotaryLayout:
+    """inv_freq [D/2] float; mrope_section None (1D RoPE), three pair counts (t, h, w) summing to D/2 (contiguous
+    sections) or a RotaryLayout of D/2 pairs. Returns the layout every rotation of the op reads."""
     check_tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[D/2]")
     if inv_freq.numel() != head_dim // 2:
         raise ValueError(f"inv_freq: expected [D/2={head_dim // 2}], got {tuple(inv_freq.shape)}")
-    if mrope_section is not None:
-        section = list(mrope_section)
-        if len(section) != 3 or any(int(s) < 0 for s in section) or sum(int(s) for s in section) != head_dim // 2:
-            raise ValueError(f"mrope_section: expected three pair counts (t, h, w) summing to D/2={head_dim // 2}, "
-                             f"got {section}")
+    return RotaryLayout.of(mrope_section, head_dim // 2)
 
 

@@ -13,8 +13,9 @@
  * ran slower than torch). Arithmetic is fp32 as in the reference: each element is widened exactly, rotated in
  * fp32 and rounded once to the cache dtype (to nearest, ties to even, as torch's conversion); values move as raw
  * bytes.
- * Rotation (rotate-half, §2.8): pair q couples channels q and q + D/2 and turns by the angle of its M-RoPE axis
- * (1D RoPE: one axis). cos/sin come from a table [R, D/2] that the caller computed with torch from the integer
+ * Rotation (rotate-half, §2.8): pair q couples channels q and q + D/2 and turns by the angle of its axis axis[q]
+ * (`RotaryLayout.axis`: 1D RoPE, contiguous or interleaved M-RoPE sections alike; 1D has one axis). cos/sin come
+ * from a table [R, D/2] that the caller computed with torch from the integer
  * deltas, so every angle is fp32(delta)·inv_freq exactly as in `hermes_kernels.rope`. Products and sums each round
  * once (built with -ffp-contract=off), as in the torch ops of the reference.
  */
@@ -42,7 +43,7 @@ typedef struct {
     const int64_t *src;           /* [L, B, n] source slot of kept token i, -1 past the row's kept count */
     const int32_t *ktab;          /* [L, B, A, n] table row per kept token and axis */
     int64_t A;                    /* axes: 1 (1D) or 3 (M-RoPE) */
-    const int64_t *section;       /* [A] pairs per axis, summing to D/2 */
+    const int32_t *axis;          /* [D/2] axis of each frequency pair, in [0, A) */
     const float *tab_cos, *tab_sin; /* [R, D/2] */
     int32_t zero_row;             /* table row of delta 0, -1 if absent */
     int64_t first, m;             /* first summary layer; pruned tokens per deep (layer, stream), 0 = no summary */
@@ -85,13 +86,11 @@ INLINE void rotate(const char *x, char *out, const int32_t *rows, int64_t stride
                    const int64_t half, const int dtype, const int out_dtype) {
     const float *c = j->tab_cos + rows[0] * half, *s = j->tab_sin + rows[0] * half;
     float cos_row[MAX_HALF], sin_row[MAX_HALF];
-    if (j->A > 1) { /* M-RoPE: each section's pairs from its own axis's table row */
-        for (int64_t a = 0, q = 0; a < j->A; ++a) {
-            const float *ca = j->tab_cos + rows[a * stride] * half, *sa = j->tab_sin + rows[a * stride] * half;
-            for (const int64_t end = q + j->section[a]; q < end; ++q) {
-                cos_row[q] = ca[q];
-                sin_row[q] = sa[q];
-            }
+    if (j->A > 1) { /* M-RoPE: each pair's angle from the table row of its own axis */
+        for (int64_t q = 0; q < half; ++q) {
+            const int64_t at = (int64_t)rows[j->axis[q] * stride] * half + q;
+            cos_row[q] = j->tab_cos[at];
+            sin_row[q] = j->tab_sin[at];
         }
         c = cos_row;
         s = sin_row;
@@ -247,20 +246,23 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, 1 for an unsupported dtype, head dim or axis count (nothing written), 2 if a worker
- * thread could not be joined. Rows of workers whose thread could not start run on the calling thread. */
+/* Returns 0 on success, 1 for an unsupported dtype, head dim, axis count or an axis map entry outside [0, A)
+ * (nothing written), 2 if a worker thread could not be joined. Rows of workers whose thread could not start run
+ * on the calling thread. */
 int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const int64_t *kstride,
                         const int64_t *vstride, int64_t P, int64_t n, const int64_t *src, const int32_t *ktab,
-                        int64_t A, const int64_t *section, const float *tab_cos, const float *tab_sin,
+                        int64_t A, const int32_t *axis, const float *tab_cos, const float *tab_sin,
                         int32_t zero_row, int64_t first, int64_t m, const int64_t *pruned, const int32_t *ptab,
                         double *ksum, double *vsum, int stream, int threads) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
     if (shape[3] % 2 || shape[3] / 2 > MAX_HALF || A < 1 || A > 3) return 1;
+    for (int64_t q = 0; q < shape[3] / 2; ++q)
+        if (axis[q] < 0 || axis[q] >= A) return 1;
     threads = worker_count(threads, shape[0] * shape[1] * shape[2]);
     job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; ++t)
         jobs[t] = (job_t){(char *)k, (char *)v, dtype, shape[0], shape[1], shape[2], shape[3], kstride,
-                          vstride, P, n, src, ktab, A, section, tab_cos, tab_sin, zero_row, first, m, pruned,
+                          vstride, P, n, src, ktab, A, axis, tab_cos, tab_sin, zero_row, first, m, pruned,
                           ptab, ksum, vsum, stream, threads, t};
     return run_workers(worker, (char *)jobs, sizeof jobs[0], threads) ? 2 : 0;
 }

@@ -8,50 +8,156 @@ low-precision cos/sin tables, so rotating by p then by d is rotating by p + d up
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
 import torch
 
 
-def mrope_axis_of_freq(mrope_section: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-    """Axis (0 = t, 1 = h, 2 = w) of each rotary frequency pair, int64 [D/2].
+@dataclasses.dataclass(frozen=True)
+class RotaryLayout:
+    """Which position axis turns each rotary frequency pair: axis[i] in [0, num_axes) for pair i of D/2.
 
-    `mrope_section` counts frequency pairs per axis (Qwen2.5-VL: [16, 24, 24] for D = 128): the first 16 pairs
-    follow t, the next 24 h, the last 24 w; both halves of the head dim share the map (rotate-half).
+    The one description every rotation by a position delta reads (docs/hermes.md §2.8): 1D RoPE has one axis
+    (positions [..., N]); M-RoPE has three, t, h and w (positions [..., 3, N]), laid out per model family:
+      sections    — Qwen2.5-VL: contiguous blocks, `mrope_section` = (16, 24, 24) gives pairs 0-15 to t,
+                    16-39 to h, 40-63 to w;
+      interleaved — Qwen3-VL: pair i turns with h when i % 3 == 1 and i < 3·section[1], with w when i % 3 == 2
+                    and i < 3·section[2], with t otherwise ((24, 20, 20): t, h, w cycle over pairs 0-59, t holds
+                    60-63).
+    Both halves of the head dim share the map (rotate-half). Frozen and hashable, so a layout can key caches.
     """
-    section = tuple(int(s) for s in mrope_section)
-    if len(section) != 3 or min(section) < 0:
-        raise ValueError(f"mrope_section: expected three non-negative pair counts (t, h, w), got {mrope_section!r}")
-    return _axis_map(section, str(torch.device("cpu" if device is None else device)))
+    axis: tuple[int, ...]
+    num_axes: int
+
+    def __post_init__(self):
+        axis = tuple(self.axis)
+        if self.num_axes not in (1, 3):
+            raise ValueError(f"mrope_section: a layout has 1 axis (1D RoPE) or 3 (M-RoPE: t, h, w), "
+                             f"got num_axes={self.num_axes!r}")
+        if not axis or any(isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < self.num_axes
+                           for a in axis):
+            raise ValueError(f"mrope_section: expected one axis in [0, {self.num_axes}) per frequency pair, "
+                             f"got {axis!r}")
+        object.__setattr__(self, "axis", axis)
+
+    @classmethod
+    def one_d(cls, pairs: int) -> "RotaryLayout":
+        """1D RoPE over `pairs` = D/2 frequency pairs: every pair turns with the one position."""
+        if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
+            raise ValueError(f"mrope_section: a 1D layout needs a positive pair count, got {pairs!r}")
+        return cls((0,) * pairs, 1)
+
+    @classmethod
+    def sections(cls, mrope_section: Sequence[int]) -> "RotaryLayout":
+        """M-RoPE with contiguous blocks of (t, h, w) pairs (Qwen2.5-VL's `mrope_section`)."""
+        section = _three_counts(mrope_section)
+        return cls(tuple(a for a, count in enumerate(section) for _ in range(count)), 3)
+
+    @classmethod
+    def interleaved(cls, mrope_section: Sequence[int]) -> "RotaryLayout":
+        """M-RoPE with the axes interleaved pair by pair (Qwen3-VL's `mrope_section`, as its rotary module's
+        `recomposition_frequencies`). Every section's pairs must exist: the counts of the map are the section's."""
+        section = _three_counts(mrope_section)
+        pairs = sum(section)
+        axis = tuple(a if a and i < 3 * section[a] else 0 for i in range(pairs) for a in (i % 3,))
+        counts = tuple(axis.count(a) for a in range(3))
+        if counts != section:
+            raise ValueError(f"mrope_section: interleaved {list(section)} over {pairs} pairs gives (t, h, w) "
+                             f"{list(counts)} pairs; h and w may hold at most one pair in three")
+        return cls(axis, 3)
+
+    @classmethod
+    def of(cls, rotary, pairs: int) -> "RotaryLayout":
+        """The layout an op's `mrope_section` argument describes, over `pairs` = D/2 frequency pairs: None is 1D
+        RoPE, three pair counts are contiguous sections (the historical meaning), a RotaryLayout is itself.
+        ValueError/TypeError naming `mrope_section` unless it covers exactly `pairs` pairs."""
+        if rotary is None:
+            return cls.one_d(pairs)
+        if isinstance(rotary, RotaryLayout):
+            layout = rotary
+        elif isinstance(rotary, (Sequence, torch.Tensor)) and not isinstance(rotary, (str, bytes)):
+            layout = cls.sections(rotary)
+        else:
+            raise TypeError(f"mrope_section: expected None, three pair counts (t, h, w) or a RotaryLayout, got "
+                            f"{type(rotary).__name__}")
+        if layout.pairs != pairs:
+            raise ValueError(f"mrope_section: {layout.describe()} covers {layout.pairs} frequency pairs, expected "
+                             f"D/2={pairs}")
+        return layout
+
+    @property
+    def pairs(self) -> int:
+        """Frequency pairs D/2 the layout covers."""
+        return len(self.axis)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Pairs per axis: (D/2,) for 1D, (t, h, w) for M-RoPE."""
+        return tuple(self.axis.count(a) for a in range(self.num_axes))
+
+    @property
+    def kind(self) -> str:
+        """Which map this is: "1d", "sections" (contiguous), "interleaved", or "custom" (any other)."""
+        if self.num_axes == 1:
+            return "1d"
+        for name, build in (("sections", RotaryLayout.sections), ("interleaved", RotaryLayout.interleaved)):
+            try:
+                if build(self.counts) == self:
+                    return name
+            except ValueError:  # counts no interleaved map can hold
+                pass
+        return "custom"
+
+    def describe(self) -> str:
+        """Short text for messages and labels: '1d (P pairs)' or 'M-RoPE <kind> [t, h, w pair counts]'."""
+        return f"1d ({self.pairs} pairs)" if self.num_axes == 1 else f"M-RoPE {self.kind} {list(self.counts)}"
+
+    def axis_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """int32 [D/2] axis of each pair on `device` (default CPU), built once per layout and device."""
+        return _axis_tensor(self, str(torch.device("cpu" if device is None else device)))
 
 
-@functools.lru_cache(maxsize=32)
-def _axis_map(section: tuple[int, int, int], device: str) -> torch.Tensor:
+def _three_counts(mrope_section) -> tuple[int, int, int]:
+    try:
+        section = tuple(int(s) for s in mrope_section)
+    except (TypeError, ValueError):
+        raise TypeError(f"mrope_section: expected three pair counts (t, h, w), got {mrope_section!r}") from None
+    if len(section) != 3 or min(section) < 0 or sum(section) < 1:
+        raise ValueError(f"mrope_section: expected three non-negative pair counts (t, h, w), got "
+                         f"{list(section)}")
+    return section
+
+
+@functools.lru_cache(maxsize=64)
+def _axis_tensor(layout: RotaryLayout, device: str) -> torch.Tensor:
     # memoised: rotations call this per token tile, and building it on a GPU is a host-to-device copy each time
-    return torch.repeat_interleave(torch.arange(3), torch.tensor(section)).to(device)
+    return torch.tensor(layout.axis, dtype=torch.int32).to(device)
 
 
-def rotary_angles(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+def rotary_angles(delta: torch.Tensor, inv_freq: torch.Tensor,
+                  mrope_section: Sequence[int] | RotaryLayout | None = None,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rotation angles [..., T, D/2] for integer position deltas.
 
-    delta: int64 [..., T] (1D RoPE) or [..., 3, T] (M-RoPE: t, h, w deltas); inv_freq: [D/2].
-    Each frequency pair takes the delta of its own M-RoPE axis (`mrope_axis_of_freq`).
+    delta: int64 [..., T] (1D layout) or [..., 3, T] (M-RoPE: t, h, w deltas); inv_freq: [D/2]; mrope_section:
+    anything `RotaryLayout.of` takes. Each frequency pair takes the delta of its own axis (`RotaryLayout.axis`).
     """
+    layout = RotaryLayout.of(mrope_section, inv_freq.numel())
     freq = inv_freq.to(device=delta.device, dtype=dtype)
-    if mrope_section is None:
-        return delta.to(dtype).unsqueeze(-1) * freq
-    axis = mrope_axis_of_freq(mrope_section, device=delta.device)
-    if axis.numel() != freq.numel():
-        raise ValueError(f"mrope_section: {list(mrope_section)} covers {axis.numel()} frequency pairs, "
-                         f"inv_freq has {freq.numel()}")
-    # [..., 3, T] -> [..., T, 3] -> pick each pair's axis -> [..., T, D/2]
-    per_axis = delta.to(dtype).transpose(-1, -2)
-    return per_axis.index_select(-1, axis) * freq
+    if layout.num_axes == 1:
+        per_axis = delta.to(dtype).unsqueeze(-1)  # [..., T] -> [..., T, 1]
+    elif delta.dim() >= 2 and delta.shape[-2] == 3:
+        per_axis = delta.to(dtype).transpose(-1, -2)  # [..., 3, T] -> [..., T, 3]
+    else:
+        raise ValueError(f"delta: expected [..., 3, T] for {layout.describe()}, got {tuple(delta.shape)}")
+    # pick each pair's axis -> [..., T, D/2]
+    return per_axis.index_select(-1, layout.axis_tensor(delta.device)) * freq
 
 
-def rotary_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+def rotary_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor,
+                   mrope_section: Sequence[int] | RotaryLayout | None = None,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., T, D/2] of `rotary_angles` (fp32 unless `dtype` says otherwise)."""
     angle = rotary_angles(delta, inv_freq, mrope_section, dtype)
@@ -59,11 +165,11 @@ def rotary_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section: S
 
 
 def apply_rotary_delta(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor,
-                       mrope_section: Sequence[int] | None = None) -> torch.Tensor:
+                       mrope_section: Sequence[int] | RotaryLayout | None = None) -> torch.Tensor:
     """Rotate x [..., T, D] by delta·inv_freq (§2.8); returns a new tensor in x's dtype.
 
-    delta: int64 [..., T] or, for M-RoPE, [..., 3, T], broadcastable against x's leading dims.
-    Arithmetic in fp32 (fp64 when x is fp64).
+    delta: int64 [..., T] or, for M-RoPE, [..., 3, T], broadcastable against x's leading dims; mrope_section:
+    anything `RotaryLayout.of` takes. Arithmetic in fp32 (fp64 when x is fp64).
     """
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = rotary_cos_sin(delta, inv_freq, mrope_section, work)

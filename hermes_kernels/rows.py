@@ -19,7 +19,7 @@ import torch
 
 from . import native
 from .dtypes import work_dtype
-from .rope import rotary_cos_sin
+from .rope import RotaryLayout, rotary_cos_sin
 
 # Sentinels for masked lanes of int64 position arithmetic: far outside any position, with room to add 1.
 BIG = 2 ** 62
@@ -156,17 +156,18 @@ def tile_tokens(x: torch.Tensor) -> int:
     return max(1, TILE_ELEMENTS // (x.shape[0] * x.shape[1] * x.shape[2] * x.shape[4]))
 
 
-def head_angles(delta: torch.Tensor, inv_freq: torch.Tensor, mrope_section, work: torch.dtype):
-    """cos, sin [L, B, 1, T, D/2] for position deltas [L, B, A, T] (A = 3 for M-RoPE), broadcast over heads."""
-    cos, sin = rotary_cos_sin(delta if mrope_section is not None else delta[:, :, 0], inv_freq, mrope_section, work)
+def head_angles(delta: torch.Tensor, inv_freq: torch.Tensor, layout: RotaryLayout, work: torch.dtype):
+    """cos, sin [L, B, 1, T, D/2] for position deltas [L, B, A, T] (A = layout.num_axes), broadcast over heads."""
+    cos, sin = rotary_cos_sin(delta if layout.num_axes == 3 else delta[:, :, 0], inv_freq, layout, work)
     return cos.unsqueeze(2), sin.unsqueeze(2)
 
 
-def move_rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_freq, mrope_section):
+def move_rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_freq, layout: RotaryLayout):
     """Row work in torch ops: summary sums of the pruned rows, then the kept rows rotated/moved to slots P + i.
 
     src int64 [L, B, n] source slots (-1 past a row's kept count), delta int64 [L, B, A, n], pruned int64
-    [L - first, B, m] and to_target [L - first, B, A, m] (None without summary). Returns the key and value sums
+    [L - first, B, m] and to_target [L - first, B, A, m] (None without summary); A = layout.num_axes, each
+    frequency pair turned by the delta of its axis `layout.axis`. Returns the key and value sums
     [L - first, B, Hkv, D] in the work dtype, or None.
 
     Every op covers all layers, streams and heads at once; the only Python loops run over token tiles (their
@@ -189,7 +190,7 @@ def move_rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_f
         v_sum = torch.zeros_like(k_sum)
         for t, j0 in enumerate(range(0, m, tile)):
             j1 = min(j0 + tile, m)
-            cos, sin = head_angles(to_target[..., j0:j1], inv_freq, mrope_section, work)
+            cos, sin = head_angles(to_target[..., j0:j1], inv_freq, layout, work)
             turned = rotate_into(deep_keys.gather(t, j1 - j0), cos, sin, rotated[:, :, :, :j1 - j0])
             k_sum += turned.sum(dim=3)
             v_sum += deep_values.gather(t, j1 - j0).sum(dim=3, dtype=work)
@@ -201,7 +202,7 @@ def move_rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_f
     rotated = None if keys.dtype == work else scratch((L, B, Hkv, tile, D), work, keys.device)
     for t, i0 in enumerate(range(0, n, tile)):
         i1 = min(i0 + tile, n)
-        cos, sin = head_angles(delta[..., i0:i1], inv_freq, mrope_section, work)
+        cos, sin = head_angles(delta[..., i0:i1], inv_freq, layout, work)
         slots = keys[:, :, :, P + i0:P + i1]
         out = slots if rotated is None else rotated[:, :, :, :i1 - i0]
         rotate_into(key_rows.gather(t, i1 - i0), cos, sin, out)
@@ -253,16 +254,18 @@ def angle_table(delta: torch.Tensor, inv_freq: torch.Tensor):
     return cos.contiguous(), sin.contiguous(), index.to(torch.int32).view(delta.shape), zero
 
 
-def move_rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq, mrope_section, stream=False):
+def move_rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_freq, layout: RotaryLayout,
+                     stream=False):
     """Row work in one call of the C kernel (compact_cpu.c): each (layer, stream, head) row is walked once, left to
-    right, in place; same arguments and result as `move_rows_torch` except the sums come back in float64.
+    right, in place; same arguments and result as `move_rows_torch` except the sums come back in float64. The
+    kernel reads each pair's axis from `layout.axis_tensor()`.
     delta=None (no pruned tokens): nothing rotates, rows only move — every token reads the one table row of
     delta 0, so the walk skips the tokens that stay and copies the others exactly. stream: rows that change slot are
     written with streaming stores (`put_row` in the C file: for moves whose destinations the walk has not just
     read, H2SVC's)."""
     L, B, Hkv, N, D = keys.shape
     if delta is None:
-        A, mrope_section = 1, None
+        A, layout = 1, RotaryLayout.one_d(D // 2)
         cos, sin = torch.ones(1, D // 2), torch.zeros(1, D // 2)
         ktab, zero = torch.zeros(src.shape[:-1] + (1, src.shape[-1]), dtype=torch.int32), 0
     else:
@@ -270,7 +273,7 @@ def move_rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_
         deltas = delta.reshape(-1) if pruned is None else torch.cat([delta.reshape(-1), to_target.reshape(-1)])
         cos, sin, rows, zero = angle_table(deltas, inv_freq)
         ktab = rows[:delta.numel()].contiguous()
-    section = torch.tensor([D // 2] if mrope_section is None else list(mrope_section), dtype=torch.int64)
+    axis = layout.axis_tensor("cpu")
     if pruned is None:
         m, ptab, pruned, sums = 0, ktab, src, torch.zeros(2, 1, dtype=torch.float64)
     else:
@@ -287,13 +290,13 @@ def move_rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_
     status = kernel(ptr(keys.data_ptr()), ptr(values.data_ptr()), ctypes.c_int(C_DTYPES[keys.dtype]),
                     ptr(shape.data_ptr()), ptr(kstride.data_ptr()), ptr(vstride.data_ptr()),
                     ctypes.c_int64(P), ctypes.c_int64(src.shape[-1]), ptr(src.data_ptr()), ptr(ktab.data_ptr()),
-                    ctypes.c_int64(A), ptr(section.data_ptr()), ptr(cos.data_ptr()), ptr(sin.data_ptr()),
+                    ctypes.c_int64(A), ptr(axis.data_ptr()), ptr(cos.data_ptr()), ptr(sin.data_ptr()),
                     ctypes.c_int32(zero), ctypes.c_int64(first), ctypes.c_int64(m), ptr(pruned.data_ptr()),
                     ptr(ptab.data_ptr()), ptr(sums[0].data_ptr()), ptr(sums[1].data_ptr()), ctypes.c_int(int(stream)),
                     ctypes.c_int(torch.get_num_threads()))
     if status != 0:
-        raise RuntimeError(f"compact_cpu.c: hermes_compact_rows returned {status} "
-                           f"(1: bad dtype {keys.dtype}, head_dim {D} or axis count {A}; 2: a worker thread failed)")
+        raise RuntimeError(f"compact_cpu.c: hermes_compact_rows returned {status} (1: bad dtype {keys.dtype}, "
+                           f"head_dim {D}, axis count {A} or axis map; 2: a worker thread failed)")
     return None if m == 0 else (sums[0], sums[1])
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hermes_kernels import native
+from hermes_kernels.rope import RotaryLayout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: subprocesses run from it
@@ -45,6 +46,23 @@ def assert_close_verbose(actual: torch.Tensor, expected: torch.Tensor, atol: flo
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with a value no correct kernel writes: NaN for floats, a large negative sentinel for ints."""
     return t.fill_(float("nan") if t.is_floating_point() else -(2 ** 40))
+
+
+# Interleaved M-RoPE layouts (Qwen3-VL, docs/hermes.md §2.8) of the test grids, by head dim D, beside contiguous
+# (t, h, w) pair counts (Qwen2.5-VL) and None (1D): Qwen3-VL-8B's at D = 128 and small ones at odd row sizes.
+INTERLEAVED = {128: RotaryLayout.interleaved((24, 20, 20)), 16: RotaryLayout.interleaved((4, 2, 2)),
+               12: RotaryLayout.interleaved((2, 2, 2)), 8: RotaryLayout.interleaved((2, 1, 1))}
+
+
+def rope_id(mrope_section) -> str:
+    """Test id of a rotary description: 1d, mrope2-3-3 (contiguous sections: counts or a layout), il4-2-2
+    (interleaved)."""
+    if mrope_section is None:
+        return "1d"
+    layout = mrope_section if isinstance(mrope_section, RotaryLayout) else RotaryLayout.sections(mrope_section)
+    if layout.num_axes == 1:
+        return "1d"
+    return {"sections": "mrope", "interleaved": "il"}.get(layout.kind, layout.kind) + "-".join(map(str, layout.counts))
 
 
 def inv_freq_for(head_dim: int, theta: float = 1e6, device="cpu") -> torch.Tensor:

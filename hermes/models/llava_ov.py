@@ -41,12 +41,12 @@ class LlavaOneVision(ModelFamily):
     def rotary(self, model):
         return self.language_model(model).rotary_emb.inv_freq, None
 
-    def tokens_per_frame(self, model, frame_size=None) -> int:
+    def tokens_per_frame(self, model, frame_size=None, tokenizer=None) -> int:
         vision = model.config.vision_config
         side = vision.image_size // vision.patch_size
         return math.ceil(side / 2) ** 2
 
-    def tokens_per_chunk(self, model, frames, frame_size=None) -> int:
+    def tokens_per_chunk(self, model, frames, frame_size=None, tokenizer=None) -> int:
         return frames * self.tokens_per_frame(model)
 
     def encode_video(self, model, processor, video, batch_size, **kwargs) -> VideoChunk:
@@ -77,8 +77,8 @@ class LlavaOneVision(ModelFamily):
     def pil_video_processor(self, image_processor, config):
         return LlavaOneVisionPilVideoProcessor(image_processor, config)
 
-    def prepare_frames(self, processor, frames, fps):
-        """{"video": pixel values [1, F, C, S, S]} from frames uint8 [F, H, W, 3] (fps plays no part)."""
+    def prepare_frames(self, processor, frames, fps, start=0.0):
+        """{"video": pixel values [1, F, C, S, S]} from frames uint8 [F, H, W, 3] (fps and start play no part)."""
         out = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
         return {"video": out["pixel_values_videos"]}
 

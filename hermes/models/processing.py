@@ -1,6 +1,6 @@
 """A checkpoint's processor for streaming: its tokenizer and its video processor, or a torchvision-free twin.
 
-transformers' video processors (LLaVA-OneVision, Qwen2-VL / Qwen2.5-VL) run on torchvision, and without it
+transformers' video processors (LLaVA-OneVision, Qwen2-VL / Qwen2.5-VL, Qwen3-VL) run on torchvision, and without it
 even `AutoProcessor.from_pretrained` fails for these checkpoints. `load_processor` therefore returns the real
 processor when torchvision imports (the GPU path) and otherwise a `Processor` holding the tokenizer and the
 family's `PilVideoProcessor`: the same steps as the video processor (convert to RGB, resize, rescale,
@@ -38,13 +38,15 @@ class PilVideoProcessor:
 
     Subclasses set `defaults` (the transformers video processor class's own defaults, for keys a checkpoint's
     config leaves out), `model_input_names` and `layout()` (the family's output tensors), and may override
-    `standardize()` and `resize_kwargs()`.
+    `standardize()`, `resize_kwargs()` and `resize()` (Qwen3-VL sizes a clip's frames together).
     """
 
     defaults: dict = {}
     model_input_names: tuple[str, ...] = ()
     # call arguments of the video processor the twin takes only switched off (the behaviour it implements)
     off_flags: tuple[str, ...] = ("do_sample_frames",)
+    # call arguments the twin takes with any value: they reach `resize()` for that call
+    options: tuple[str, ...] = ()
 
     def __init__(self, image_processor, config: dict | None = None):
         if getattr(image_processor, "backend", None) != "pil":
@@ -70,7 +72,12 @@ class PilVideoProcessor:
         """Extra arguments of the image processor's resize (besides image, size and resample)."""
         return {}
 
-    def frames(self, video: np.ndarray) -> np.ndarray:
+    def resize(self, image: np.ndarray, num_frames: int, **options) -> np.ndarray:
+        """One frame [C, H, W] of a clip of `num_frames` resized by the image processor under `size`; `options`:
+        this call's `options` arguments."""
+        return self.image_processor.resize(image, self.size, resample=self.resample, **self.resize_kwargs())
+
+    def frames(self, video: np.ndarray, **options) -> np.ndarray:
         """float32 [F, C, H', W'] from uint8 [F, H, W, C] frames (or a list of [H, W, C] frames)."""
         processor = self.image_processor
         out = []
@@ -78,7 +85,7 @@ class PilVideoProcessor:
             image = processor.process_image(np.asarray(frame), do_convert_rgb=self.do_convert_rgb,
                                             input_data_format=ChannelDimension.LAST)
             if self.do_resize:
-                image = processor.resize(image, self.size, resample=self.resample, **self.resize_kwargs())
+                image = self.resize(image, len(video), **options)
             if self.do_rescale:
                 image = processor.rescale(image, self.rescale_factor)
             if self.do_normalize:
@@ -92,9 +99,11 @@ class PilVideoProcessor:
 
     def __call__(self, videos, return_tensors: str | None = "pt", **kwargs) -> dict:
         """Like the video processor's call on a list of clips (each uint8 [F, H, W, C]): a dict of torch tensors
-        with the video processor's keys. Of its keyword arguments only `off_flags` are taken, and only false."""
+        with the video processor's keys. Of its keyword arguments only `off_flags` (only false) and `options` are
+        taken."""
         if return_tensors != "pt":
             raise ValueError(f"return_tensors: only 'pt' is supported, got {return_tensors!r}")
+        options = {key: kwargs.pop(key) for key in self.options if key in kwargs}
         for key, value in kwargs.items():
             if key not in self.off_flags:
                 raise TypeError(f"{type(self).__name__}: unsupported argument {key!r}")
@@ -102,7 +111,7 @@ class PilVideoProcessor:
                 raise ValueError(f"{key}: only False is supported without torchvision")
         if isinstance(videos, np.ndarray) and videos.ndim == 4:
             videos = [videos]
-        outputs = [self.layout(self.frames(video)) for video in videos]
+        outputs = [self.layout(self.frames(video, **options)) for video in videos]
         return {key: torch.cat([torch.as_tensor(np.asarray(out[key])) for out in outputs])
                 for key in self.model_input_names}
 

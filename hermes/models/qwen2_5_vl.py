@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
+from hermes_kernels.rope import RotaryLayout
+
 from . import ModelFamily, VideoChunk, check_pixels
 from .processing import PilVideoProcessor
 
@@ -96,9 +98,9 @@ class Qwen2_5_VL(ModelFamily):
 
     def rotary(self, model):
         rotary = self.language_model(model).rotary_emb
-        return rotary.inv_freq, [int(s) for s in rotary.mrope_section]
+        return rotary.inv_freq, RotaryLayout.sections(rotary.mrope_section)  # contiguous t, h, w blocks
 
-    def tokens_per_frame(self, model, frame_size=None) -> int:
+    def tokens_per_frame(self, model, frame_size=None, tokenizer=None) -> int:
         """Merged tokens of one temporal grid step: (height / (patch·merge)) x (width / (patch·merge))."""
         if frame_size is None:
             raise ValueError("frame_size: Qwen2.5-VL's token count depends on the frame size; pass "
@@ -107,7 +109,7 @@ class Qwen2_5_VL(ModelFamily):
         side = vision.patch_size * vision.spatial_merge_size
         return (frame_size[0] // side) * (frame_size[1] // side)
 
-    def tokens_per_chunk(self, model, frames, frame_size=None) -> int:
+    def tokens_per_chunk(self, model, frames, frame_size=None, tokenizer=None) -> int:
         grid_t = -(-frames // model.config.vision_config.temporal_patch_size)
         return grid_t * self.tokens_per_frame(model, frame_size)
 
@@ -147,9 +149,10 @@ class Qwen2_5_VL(ModelFamily):
     def pil_video_processor(self, image_processor, config):
         return Qwen2_5_VLPilVideoProcessor(image_processor, config)
 
-    def prepare_frames(self, processor, frames, fps):
+    def prepare_frames(self, processor, frames, fps, start=0.0):
         """{"video": patches, "grid_thw": [1, 3], "seconds_per_grid": T / fps} from frames uint8 [F, H, W, 3];
-        seconds_per_grid is what Qwen2_5_VLProcessor passes as second_per_grid_ts."""
+        seconds_per_grid is what Qwen2_5_VLProcessor passes as second_per_grid_ts (start plays no part: M-RoPE's t
+        counts from the chunk)."""
         video_processor = processor.video_processor
         out = video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False,
                               cap_pixels_per_frame=False)

@@ -132,6 +132,17 @@ def test_stream_memory_table_at_the_7b_shapes():
     assert "76.2 GB" in stream_memory.report()
 
 
+def test_stream_memory_row_of_qwen3_vl_8b():
+    """Qwen3-VL-8B: 36 layers x 8 KV heads, 256 grid steps in 512 s at 1 fps, each step 196 visual tokens and 12 of
+    text (its timestamp and the vision markers)."""
+    per_token, heads, T_f = 2 * 128 * 2, 36 * 8, 196 + 12
+    sizes = stream_memory.stream_bytes("qwen3-vl-8b", 512, 1.0)
+    assert stream_memory.frame_tokens("qwen3-vl-8b") == T_f and sizes["frames"] == 256
+    assert sizes["full"] == heads * (14 + 256 * T_f) * per_token
+    assert sizes["hermes_allocated"] == heads * (14 + 6000 + 8 * T_f + 512) * per_token
+    assert "qwen3-vl-8b" in stream_memory.report()
+
+
 def test_h2svc_points_run_only_h2svc_stages_and_count_their_movers():
     """An H2SVC point measures the H2SVC stages only; its FIFO blocks move min(F, W) frames a row, the episodic
     block the arrivals STCE kept (between 1 and min(F, N_e) a row: the newest arrival always stays)."""

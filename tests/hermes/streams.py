@@ -1,7 +1,8 @@
 """Helpers of the stream tests: the model families under test (`CASES`: how to build the tiny model, make a chunk
-of pixels, and encode it with the model's own vision path for reference runs), HERMES streams with poisoned free
-slots, the references, and the two-thread runner. References never go through the engine: they run the unpatched
-model (sdpa, or eager for attention maps) over the full sequence or over a `DynamicCache` holding the same keys.
+of pixels, and encode it with the model's own vision path for reference runs; `QWEN3_VL`, whose references are its
+own, below), HERMES streams with poisoned free slots, the references, and the two-thread runner. References never go
+through the engine: they run the unpatched model (sdpa, or eager for attention maps) over the full sequence or over a
+`DynamicCache` holding the same keys.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Callable
 import pytest
 import torch
 
-from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
+from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_tokenizer
 import hermes.attention
 from hermes.attention import attention_implementation
 from hermes.models import family_of
@@ -29,7 +30,8 @@ class Case:
 
     build:      (**overrides) -> tiny model.
     frames:     frames per chunk.
-    chunk:      (batch, generator) -> append_video keyword arguments (video=..., grid_thw=...).
+    chunk:      (batch, generator, frames=frames) -> append_video keyword arguments (video=..., grid_thw=...) of a
+                chunk of `frames` video frames.
     encode:     (model, chunk kwargs) -> (embeds [B, T, hidden], rel positions [3, T] or None) via the model's
                 own vision path.
     stream_kwargs: extra HermesStream arguments (frame_size for Qwen2.5-VL).
@@ -44,13 +46,14 @@ class Case:
     stream_kwargs: dict
     bad_chunks: Callable
     mrope: bool
+    tokenizer: Callable = tiny_tokenizer  # () -> the tiny model's tokenizer
 
 
 LLAVA_FRAMES = 2
 
 
-def _llava_chunk(batch, g):
-    return {"video": llava_pixels(batch, LLAVA_FRAMES, g)}
+def _llava_chunk(batch, g, frames=LLAVA_FRAMES):
+    return {"video": llava_pixels(batch, frames, g)}
 
 
 def _llava_encode(model, chunk):
@@ -75,8 +78,8 @@ QWEN_FRAMES = 4
 SECONDS_PER_GRID = 4.0  # t advances 8 per temporal step: time, not the grid, drives the positions
 
 
-def _qwen_chunk(batch, g):
-    video, grid = qwen_pixels(batch, QWEN_FRAMES, g)
+def _qwen_chunk(batch, g, frames=QWEN_FRAMES):
+    video, grid = qwen_pixels(batch, frames, g)
     return {"video": video, "grid_thw": grid, "seconds_per_grid": SECONDS_PER_GRID}
 
 
@@ -110,13 +113,49 @@ CASES = {
 }
 
 
+QWEN3_FRAME = (8, 8)  # 2 x 2 merged tokens: a step's run is 16 tokens with its timestamp, a chunk 32 (as Qwen2.5-VL's)
+
+
+def _qwen3_chunk(batch, g, frames=QWEN_FRAMES):
+    """Patches of 8 x 8 frames; the steps at 99.5 s, 100.5 s, ...: timestamps of 2 and 3 significant digits in one
+    chunk (written with one token count). The same times in every chunk, as the lockstep checks stack clips and
+    keep the first one's timing (the model's own tests stream advancing times)."""
+    video, grid = qwen_pixels(batch, frames, g, *QWEN3_FRAME)
+    return {"video": video, "grid_thw": grid, "timestamps": [99.5 + step for step in range(frames // 2)]}
+
+
+def _qwen3_bad_chunks(batch, g):
+    good = _qwen3_chunk(batch, g)
+    video, grid, stamps = good["video"], good["grid_thw"], good["timestamps"]
+    return {
+        "missing grid": {"video": video, "timestamps": stamps},
+        "grid does not match rows": {"video": video, "grid_thw": torch.tensor([2, 2, 4]), "timestamps": stamps},
+        "streams with different grids": {"video": video, "grid_thw": torch.tensor([[2, 4, 4], [1, 8, 4]]),
+                                         "timestamps": stamps},
+        "non-finite": {"video": video.clone().fill_(float("nan")), "grid_thw": grid, "timestamps": stamps},
+        "missing timestamps": {"video": video, "grid_thw": grid},
+        "one timestamp short": {"video": video, "grid_thw": grid, "timestamps": stamps[:1]},
+        "negative timestamp": {"video": video, "grid_thw": grid, "timestamps": [-1.0, 1.0]},
+        "timestamp past the digits": {"video": video, "grid_thw": grid, "timestamps": [0.0, 1e6]},
+        "Qwen2.5-VL's timing": {"video": video, "grid_thw": grid, "seconds_per_grid": 1.0},
+    }
+
+
+# Qwen3-VL (DeepStack, text timestamps): the shared stream checks run under it (tests/hermes/stream/policies.py
+# FAMILIES); not in CASES, whose references feed embeddings alone: its references (the model's own forward) are in
+# tests/hermes/models/test_qwen3_vl.py
+QWEN3_VL = Case(name="qwen3_vl", build=tiny_qwen3_vl, frames=QWEN_FRAMES, chunk=_qwen3_chunk, encode=None,
+                stream_kwargs={"frame_size": QWEN3_FRAME}, bad_chunks=_qwen3_bad_chunks, mrope=True,
+                tokenizer=lambda: tiny_tokenizer(digits=True))
+
+
 def make_stream(case: Case, model, **kwargs) -> HermesStream:
     """A stream whose free slots (everything past the prefilled prefix) are poisoned: NaN keys/values and
     guidance scores, sentinel positions, so a read of a slot nobody wrote shows up in every check."""
     args = dict(chunk_frames=case.frames, room=160)
     args.update(case.stream_kwargs)
     args.update(kwargs)
-    stream = HermesStream(model, tiny_tokenizer(), **args)
+    stream = HermesStream(model, case.tokenizer(), **args)
     length = stream.cache.length
     for stack in stream.cache._stacks:
         for buffer in (stack.keys, stack.values):

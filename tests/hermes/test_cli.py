@@ -450,7 +450,7 @@ def test_decoder_failing_mid_stream(tiny_checkpoints, videos, capsys, monkeypatc
 def test_unexpected_errors_are_one_line_unless_traceback_is_asked(tiny_checkpoints, videos, capsys, monkeypatch):
     family = type(family_of_type("llava_onevision"))
 
-    def broken(self, processor, frames, fps):
+    def broken(self, processor, frames, fps, start=0.0):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(family, "prepare_frames", broken)

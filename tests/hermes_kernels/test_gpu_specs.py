@@ -32,6 +32,11 @@ from tests.utils import REPO
 
 ROOT = Path(REPO)
 TARGETS = {"sm_80", "sm_90"}
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEADLINE = ("llava-ov-7b", "qwen2.5-vl-7b", "qwen3-vl-8b")
+# rotary layouts the guard compiles at, and their head dims: 1D and contiguous M-RoPE at D = 64 / 128 / 256,
+# interleaved M-RoPE at Qwen3-VL-8B's D = 128
+ROPE_DIMS = {(kind, dim) for kind in ("1d", "sections") for dim in (64, 128, 256)} | {("interleaved", 128)}
 GUARD_TIMEOUT_S = 1200  # a cold run on a loaded 2-core machine; the whole CI must stay under 20 minutes
 
 
@@ -89,10 +94,10 @@ def test_row_moves_are_16_byte_vectors(guard):
 
 def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
     cases = [c for c in guard_module.spec_cases() if isinstance(c, HermesCase)]
-    seen = {(c.dtype, c.mrope_section is not None, c.head_dim) for c in cases}
-    assert seen == {(dtype, mrope, dim) for dtype in (torch.float16, torch.bfloat16, torch.float32)
-                    for mrope in (False, True) for dim in (64, 128, 256)}
-    for model in ("llava-ov-7b", "qwen2.5-vl-7b"):
+    seen = {(c.dtype, c.rotary.kind, c.head_dim) for c in cases}
+    assert seen == {(dtype, kind, dim) for dtype in DTYPES for kind, dim in ROPE_DIMS}
+    assert {c.rotary.kind for c in cases if c.label.startswith("qwen3-vl-8b ")} == {"interleaved"}
+    for model in HEADLINE:
         at = {(c.cfg.budget, c.reindex) for c in cases if c.label.startswith(model + " ")}
         assert at >= {(b, r) for b in (4000, 6000) for r in ("eager", "lazy", "given")}, model
     assert any(c.batch > 1 for c in cases)
@@ -100,13 +105,13 @@ def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
 
 def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
     cases = [c for c in guard_module.spec_cases() if isinstance(c, H2SVCCase)]
-    seen = {(c.dtype, c.mrope_section is not None, c.head_dim, c.reindex) for c in cases}
-    assert seen == {(dtype, mrope, dim, reindex) for dtype in (torch.float16, torch.bfloat16, torch.float32)
-                    for mrope in (False, True) for dim in (64, 128, 256) for reindex in (False, True)}
-    for model in ("llava-ov-7b", "qwen2.5-vl-7b"):
+    seen = {(c.dtype, c.rotary.kind, c.head_dim, c.reindex) for c in cases}
+    assert seen == {(dtype, kind, dim, reindex) for dtype in DTYPES for kind, dim in ROPE_DIMS
+                    for reindex in (False, True)}
+    for model in HEADLINE:
         at = {(c.chunk_frames, c.reindex, c.dtype) for c in cases if c.label.startswith(model + " ")}
         assert at >= {(f, r, d) for f in (16, 8) for r in (False, True)
-                      for d in (torch.float16, torch.bfloat16, torch.float32)}, model
+                      for d in DTYPES}, model
     assert {c.batch for c in cases} == {1, 2}
     # the default (depth-order) head map: every class has rows, so every block kind is driven
     assert all(not c.cfg.profiled and c.classes == (INSTANT, SHORT, EPISODIC) for c in cases)

@@ -1,11 +1,25 @@
-"""hermes_kernels.rope: delta rotations agree with transformers' own RoPE and compose; compaction ranks per axis."""
+"""hermes_kernels.rope: the rotary layouts (which axis turns each frequency pair) and delta rotations agree with
+transformers' own rotary modules (Qwen2.5-VL's contiguous sections, Qwen3-VL's interleaved ones) and compose;
+compaction ranks per axis."""
 import pytest
 import torch
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl, modeling_qwen2_5_vl
+from transformers.models.qwen3_vl import configuration_qwen3_vl, modeling_qwen3_vl
 
-from hermes_kernels.rope import apply_rotary_delta, compact_positions, mrope_axis_of_freq
+from hermes_kernels.rope import RotaryLayout, apply_rotary_delta, compact_positions, rotary_angles, rotary_cos_sin
 from tests.utils import assert_close_verbose, inv_freq_for
+
+# M-RoPE family -> (its text config, its rotary module, the layout we read its mrope_section as)
+HF_MROPE = {
+    "qwen2_5_vl": (configuration_qwen2_5_vl.Qwen2_5_VLTextConfig, modeling_qwen2_5_vl.Qwen2_5_VLRotaryEmbedding,
+                   RotaryLayout.sections),
+    "qwen3_vl": (configuration_qwen3_vl.Qwen3VLTextConfig, modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding,
+                 RotaryLayout.interleaved),
+}
+# (family, mrope_section): the published sections at D = 128 and small ones of the test grids
+MROPE_CASES = [("qwen2_5_vl", [2, 3, 3]), ("qwen2_5_vl", [16, 24, 24]), ("qwen3_vl", [2, 1, 1]),
+               ("qwen3_vl", [4, 2, 2]), ("qwen3_vl", [24, 20, 20])]
 
 TOL_ROT = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-9, 1e-9)}
 
@@ -18,14 +32,19 @@ def hf_rotate(x, positions, inv_freq):
     return q
 
 
-def hf_rotate_mrope(x, positions, mrope_section, theta):
-    """transformers' Qwen2.5-VL M-RoPE of x [H, T, D] at positions [3, T]."""
-    head_dim = x.shape[-1]
-    config = configuration_qwen2_5_vl.Qwen2_5_VLTextConfig(
-        hidden_size=head_dim * 2, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": theta, "mrope_section": list(mrope_section)})
-    rotary = modeling_qwen2_5_vl.Qwen2_5_VLRotaryEmbedding(config)
-    cos, sin = rotary(x.float(), positions[:, None, :])
+def hf_rotary(family: str, mrope_section, theta: float) -> torch.nn.Module:
+    """The rotary module of `family`'s text model with this mrope_section (head dim 2·sum(section))."""
+    config_type, module_type, _ = HF_MROPE[family]
+    head_dim = 2 * sum(mrope_section)
+    config = config_type(hidden_size=head_dim * 2, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+                         rope_parameters={"rope_type": "default", "rope_theta": theta,
+                                          "mrope_section": list(mrope_section), "mrope_interleaved": True})
+    return module_type(config)
+
+
+def hf_rotate_mrope(x, positions, mrope_section, theta, family="qwen2_5_vl"):
+    """transformers' M-RoPE of `family` (default Qwen2.5-VL) of x [H, T, D] at positions [3, T]."""
+    cos, sin = hf_rotary(family, mrope_section, theta)(x.float(), positions[:, None, :])
     q, _ = modeling_qwen2_5_vl.apply_rotary_pos_emb(x.float(), x.float(), cos[0], sin[0], 0)
     return q
 
@@ -40,22 +59,41 @@ def test_matches_transformers_1d():
                          1e-9, 1e-9, "rotary vs transformers")
 
 
-@pytest.mark.parametrize("section", [[2, 3, 3], [16, 24, 24]])
-def test_matches_transformers_mrope(section):
+@pytest.mark.parametrize("family, section", MROPE_CASES)
+def test_layout_matches_transformers_cos_sin(family, section):
+    """cos/sin of every frequency pair at 3-axis positions: the family's layout against the family's own rotary
+    module (both halves of D), from the module's own inv_freq; independent random positions per axis."""
+    g = torch.Generator().manual_seed(7)
+    rotary = hf_rotary(family, section, 5e6)
+    layout = HF_MROPE[family][2](section)
+    positions = torch.randint(0, 40000, (3, 17), generator=g)
+    want_cos, want_sin = rotary(torch.zeros(1), positions[:, None, :])
+    cos, sin = rotary_cos_sin(positions, rotary.inv_freq, layout)
+    half = layout.pairs
+    for name, ours, theirs in (("cos", cos, want_cos[0]), ("sin", sin, want_sin[0])):
+        assert_close_verbose(ours, theirs[:, :half], 1e-6, 1e-6, f"{family} {name}, pairs")
+        assert_close_verbose(ours, theirs[:, half:], 1e-6, 1e-6, f"{family} {name}, second half")
+
+
+@pytest.mark.parametrize("family, section", MROPE_CASES)
+def test_matches_transformers_mrope(family, section):
     g = torch.Generator().manual_seed(1)
     D = 2 * sum(section)
     x = torch.randn(2, 9, D, generator=g)
     positions = torch.randint(0, 500, (3, 9), generator=g)
-    ours = apply_rotary_delta(x, positions, inv_freq_for(D, 1e6), section)
-    assert_close_verbose(ours, hf_rotate_mrope(x, positions, section, 1e6), 2e-4, 2e-4, "M-RoPE vs transformers")
+    layout = HF_MROPE[family][2](section)
+    ours = apply_rotary_delta(x, positions, inv_freq_for(D, 1e6), layout)
+    assert_close_verbose(ours, hf_rotate_mrope(x, positions, section, 1e6, family), 2e-4, 2e-4,
+                         f"{family} M-RoPE vs transformers")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("section", [None, [2, 3, 3], [16, 24, 24]])
+@pytest.mark.parametrize("section", [None, [2, 3, 3], [16, 24, 24], RotaryLayout.interleaved([24, 20, 20])],
+                         ids=["1d", "sections-2-3-3", "sections-16-24-24", "interleaved-24-20-20"])
 def test_rotation_composes(dtype, section):
     """Rotating to p and then by d equals rotating to p + d."""
     g = torch.Generator().manual_seed(2)
-    D = 2 * sum(section) if section else 64
+    D = 2 * (section.pairs if isinstance(section, RotaryLayout) else sum(section)) if section else 64
     inv_freq = inv_freq_for(D, 1e4)
     x = torch.randn(4, 13, D, generator=g, dtype=dtype)
     shape = (3, 13) if section else (13,)
@@ -76,10 +114,69 @@ def test_zero_delta_is_identity_and_dtype_kept():
     assert torch.equal(out, x)
 
 
-def test_axis_map():
-    assert mrope_axis_of_freq([2, 3, 3]).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
-    with pytest.raises(ValueError, match="mrope_section"):
-        mrope_axis_of_freq([2, 3])
+def test_layout_maps():
+    assert RotaryLayout.one_d(3) == RotaryLayout((0, 0, 0), 1)
+    assert RotaryLayout.sections([2, 3, 3]).axis == (0, 0, 1, 1, 1, 2, 2, 2)
+    assert RotaryLayout.interleaved([2, 1, 1]).axis == (0, 1, 2, 0)
+    assert RotaryLayout.interleaved([4, 2, 2]).axis == (0, 1, 2, 0, 1, 2, 0, 0)
+    qwen3 = RotaryLayout.interleaved((24, 20, 20))  # Qwen3-VL-8B: t, h, w cycle over pairs 0-59, t holds 60-63
+    assert qwen3.axis == (0, 1, 2) * 20 + (0,) * 4
+    assert (qwen3.pairs, qwen3.num_axes) == (64, 3)
+    assert RotaryLayout.sections([4, 2, 2]) != RotaryLayout.interleaved([4, 2, 2])
+    assert RotaryLayout((0, 2, 1), 3).kind == "custom" and RotaryLayout((0, 2, 1), 3).counts == (1, 1, 1)
+    assert [RotaryLayout.sections([2, 1, 1]).describe(), RotaryLayout.interleaved([2, 1, 1]).describe(),
+            RotaryLayout.one_d(4).describe()] == ["M-RoPE sections [2, 1, 1]", "M-RoPE interleaved [2, 1, 1]",
+                                                  "1d (4 pairs)"]
+
+
+def test_layout_of_normalises_every_description():
+    """None -> 1D, three counts (list, tuple or tensor) -> contiguous sections, a layout -> itself."""
+    assert RotaryLayout.of(None, 4) == RotaryLayout.one_d(4)
+    for section in ([2, 3, 3], (2, 3, 3), torch.tensor([2, 3, 3])):
+        assert RotaryLayout.of(section, 8) == RotaryLayout.sections([2, 3, 3])
+    layout = RotaryLayout.interleaved([4, 2, 2])
+    assert RotaryLayout.of(layout, 8) is layout
+    assert len({RotaryLayout.of([2, 3, 3], 8), RotaryLayout.sections((2, 3, 3))}) == 1  # hashable, equal
+
+
+def test_axis_tensor_is_built_once_per_device():
+    layout = RotaryLayout.interleaved([4, 2, 2])
+    axis = layout.axis_tensor()
+    assert axis.dtype == torch.int32 and axis.tolist() == list(layout.axis)
+    assert layout.axis_tensor("cpu") is axis
+    assert RotaryLayout.interleaved([4, 2, 2]).axis_tensor() is axis  # equal layouts share it
+    assert layout.axis_tensor("meta").device.type == "meta"
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda: RotaryLayout.sections([2, 3]), ValueError, "mrope_section: expected three"),
+    (lambda: RotaryLayout.sections([2, -1, 3]), ValueError, "mrope_section: expected three non-negative"),
+    (lambda: RotaryLayout.sections([0, 0, 0]), ValueError, "mrope_section"),
+    (lambda: RotaryLayout.sections("abc"), TypeError, "mrope_section: expected three pair counts"),
+    (lambda: RotaryLayout.interleaved([1, 3, 3]), ValueError, r"mrope_section: interleaved \[1, 3, 3\]"),
+    (lambda: RotaryLayout.one_d(0), ValueError, "mrope_section: a 1D layout"),
+    (lambda: RotaryLayout((0, 3), 3), ValueError, r"mrope_section: expected one axis in \[0, 3\)"),
+    (lambda: RotaryLayout((0, 1), 2), ValueError, "mrope_section: a layout has 1 axis"),
+    (lambda: RotaryLayout((), 1), ValueError, "mrope_section"),
+    (lambda: RotaryLayout.of([2, 3, 3], 9), ValueError, "covers 8 frequency pairs, expected D/2=9"),
+    (lambda: RotaryLayout.of(RotaryLayout.interleaved([2, 1, 1]), 8), ValueError, "M-RoPE interleaved"),
+    (lambda: RotaryLayout.of("233", 8), TypeError, "mrope_section: expected None, three pair counts"),
+    (lambda: RotaryLayout.of(3, 8), TypeError, "mrope_section"),
+], ids=["two-counts", "negative", "empty", "letters", "interleaved-overflow", "1d-empty", "axis-range",
+        "two-axes", "no-pairs", "of-pairs", "of-layout-pairs", "of-str", "of-int"])
+def test_layout_errors_name_the_argument(bad, error, match):
+    with pytest.raises(error, match=match):
+        bad()
+
+
+def test_one_d_layout_is_none():
+    """A 1D layout and None take the same [..., T] deltas and give the same angles; a 3-axis layout wants 3 rows."""
+    g = torch.Generator().manual_seed(3)
+    inv_freq = inv_freq_for(16)
+    delta = torch.randint(-900, 900, (2, 5, 7), generator=g)
+    assert torch.equal(rotary_angles(delta, inv_freq, RotaryLayout.one_d(8)), rotary_angles(delta, inv_freq))
+    with pytest.raises(ValueError, match=r"delta: expected \[\.\.\., 3, T\]"):
+        rotary_angles(delta, inv_freq, RotaryLayout.sections([2, 3, 3]))
 
 
 def test_compact_positions_1d_and_per_axis():

@@ -51,7 +51,7 @@ from hermes_kernels.dtypes import CACHE_DTYPES
 from hermes_kernels.policies.h2svc.checks import check_h2svc_step
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, H2SVCConfig, class_id
 from hermes_kernels.results import H2SVCChunkResult
-from hermes_kernels.rope import apply_rotary_delta
+from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 
 from .attention import class_attention
 from .blocks import CLASSES, LayerPart, allocate_blocks, class_capacity, layer_parts
@@ -81,13 +81,16 @@ class H2SVCCache(StreamCacheBase):
                         capacity formula adds both).
         dtype:          storage dtype of keys/values (the model's).
         inv_freq:       [D/2] rotary inverse frequencies taken from the model's rotary module.
-        mrope_section:  frequency pairs per M-RoPE axis (t, h, w) for Qwen2.5-VL; None for 1D RoPE.
+        mrope_section:  which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
+                        sections, Qwen3-VL's interleaved ones), three contiguous pair counts (t, h, w), or None
+                        for 1D RoPE; stored as the `RotaryLayout` (`self.mrope_section`, 1D included).
         layer_devices:  the device of every layer (default: inv_freq's); stack_bounds: extra block boundaries
                         between layers on one device (lays out a device split on one device; same results).
     """
 
     def __init__(self, cfg: H2SVCConfig, *, batch_size: int, num_heads: int, head_dim: int, chunk_frames: int,
-                 room: int, dtype: torch.dtype, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+                 room: int, dtype: torch.dtype, inv_freq: torch.Tensor,
+                 mrope_section: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
         if not isinstance(cfg, H2SVCConfig):
             raise TypeError(f"cfg: expected an H2SVCConfig, got {type(cfg).__name__}")
@@ -108,7 +111,7 @@ class H2SVCCache(StreamCacheBase):
         self.dtype = dtype
         self.chunk_frames = chunk_frames
         self.capacities = tuple(class_capacity(cfg, c, chunk_frames, room) for c in CLASSES)
-        self._init_stream(cfg.num_layers, batch_size, mrope_section)
+        self._init_stream(cfg.num_layers, batch_size, mrope_section, head_dim)
         self.classes = tuple(c for c in CLASSES if cfg.num_rows(c))  # the non-empty classes
         self.blocks = allocate_blocks(cfg, runs, self.classes, self.capacities, batch_size=batch_size,
                                       head_dim=head_dim, dtype=dtype, mrope=self.mrope, inv_freq=inv_freq)

@@ -39,7 +39,7 @@ class H2SVCPolicy(StreamPolicy):
                           - None: the documented default map (`default_head_map`: depth order with the paper's ratios),
                             with a warning that it is not profiled.
         tokens_per_frame: T_f; default from the family (LLaVA-OV: the tower's pooled grid; Qwen2.5-VL: from the
-                          stream's frame_size, one temporal grid step).
+                          stream's frame_size, one temporal grid step; Qwen3-VL: that step with its timestamp).
         reindex, instant_frames, short_frames, episodic_frames, instant_ratio, short_ratio, margin, max_positions:
                           `H2SVCConfig` fields over the family's preset (max_positions defaults to the model's
                           max_position_embeddings).
@@ -50,8 +50,8 @@ class H2SVCPolicy(StreamPolicy):
     def __init__(self, stream, *, head_map=None, tokens_per_frame: int | None = None, **overrides):
         model, shape = stream.model, ModelGeometry.of(stream)
         try:
-            frame_tokens = stream.family.tokens_per_frame(model, stream.frame_size)
-        except ValueError:  # Qwen2.5-VL without frame_size: tokens_per_frame (or the config) must say it
+            frame_tokens = stream.family.tokens_per_frame(model, stream.frame_size, tokenizer=stream.tokenizer)
+        except ValueError:  # Qwen-VL without frame_size: tokens_per_frame (or the config) must say it
             frame_tokens = None
         if isinstance(head_map, H2SVCConfig):
             if overrides or tokens_per_frame is not None:
@@ -65,7 +65,7 @@ class H2SVCPolicy(StreamPolicy):
         else:
             if tokens_per_frame is None:
                 tokens_per_frame = frame_tokens if frame_tokens is not None else \
-                    stream.family.tokens_per_frame(model, stream.frame_size)  # raises, naming frame_size
+                    stream.family.tokens_per_frame(model, stream.frame_size, tokenizer=stream.tokenizer)  # raises
             overrides.setdefault("max_positions", shape.max_positions)
             config = H2SVCConfig.preset(stream.family.preset_name, shape.num_layers, shape.num_kv_heads,
                                         shape.prefix_len, tokens_per_frame=tokens_per_frame,

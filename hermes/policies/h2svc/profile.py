@@ -15,7 +15,8 @@ A clip runs as the stream lays it out, with a full cache (nothing evicted): the 
 `family.prepare_frames` + `family.encode_video`), then each question (`family.question_text`) after the whole
 clip, the cache cropped back to the video after each one (as the stream truncates after an answer). Every segment
 starts at the largest position so far + 1 and video chunks take the family's relative offsets (Qwen2.5-VL: the
-M-RoPE (t, h, w) triples of `encode_video`, never transformers' get_rope_index).
+M-RoPE (t, h, w) triples of `encode_video`, never transformers' get_rope_index; Qwen3-VL: the offsets of its
+get_rope_index, and each chunk's DeepStack features go into its forward, `VideoChunk.lm_kwargs`).
 
 Attention and the reduction to TAD sums, one block of query rows at a time, are `hermes.policies.h2svc.tad`.
 
@@ -168,10 +169,10 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
     cache = DynamicCache()
     positions = _Positions(mrope=family.rotary(model)[1] is not None)
 
-    def forward(embeds: torch.Tensor, rel: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(embeds: torch.Tensor, rel: torch.Tensor | None = None, **extra) -> torch.Tensor:
         ids = positions.take(embeds.shape[1], rel, embeds.device)
         return language_model(inputs_embeds=embeds, position_ids=ids, cache=cache, use_cache=True,
-                              h2svc_sums=sums).last_hidden_state
+                              h2svc_sums=sums, **extra).last_hidden_state
 
     def text(ids: list[int]) -> torch.Tensor:
         return embed(torch.tensor([ids], device=device))
@@ -180,7 +181,7 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
     forward(text(prefix_ids))
     P, n, T_f, sampled = len(prefix_ids), 0, None, 0
     for frames in clip.chunks(fps, chunk_frames, max_frames):
-        inputs = family.prepare_frames(processor, frames, fps)
+        inputs = family.prepare_frames(processor, frames, fps, start=sampled / fps)
         count = family.memory_frames(inputs)
         chunk = family.encode_video(model, processor, inputs.pop("video"), 1, **inputs)
         tokens = chunk.embeds.shape[1]
@@ -190,7 +191,7 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
         T_f = tokens // count
         query_frames = n + torch.arange(tokens, device=chunk.embeds.device) // T_f
         sums.queries = Queries(P, n + count, T_f, query_frames)
-        forward(chunk.embeds, chunk.rel_positions)
+        forward(chunk.embeds, chunk.rel_positions, **chunk.lm_kwargs())  # Qwen3-VL: DeepStack
         n += count
         sampled += len(frames)
         bar.update()
@@ -237,7 +238,7 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
                   short_ratio: float = 0.4, max_frames: int | None = None, answer_tokens: int = 0,
                   system_prompt: str | None = None, query_block: int | None = None,
                   progress: bool = True) -> HeadProfile:
-    """Profile the heads of a loaded LLaVA-OneVision or Qwen2.5-VL model on sample clips and route them
+    """Profile the heads of a loaded LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL model on sample clips and route them
     (docs/h2svc.md §2; the clip layout, the streamed reduction and the text queries are in the module docstring).
 
     model, processor: as for HermesStream (`hermes.commands.load_model` gives both); the model in eval mode.
@@ -319,9 +320,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="hermes-profile",
-        description=wrap("Profile the attention heads of a LLaVA-OneVision or Qwen2.5-VL checkpoint on sample "
-                         "videos (eager attention, docs/h2svc.md §2) and write the H2SVC head map: every (layer, KV "
-                         "head) routed to the instant, short or episodic memory."),
+        description=wrap("Profile the attention heads of a LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL checkpoint on "
+                         "sample videos (eager attention, docs/h2svc.md §2) and write the H2SVC head map: every "
+                         "(layer, KV head) routed to the instant, short or episodic memory."),
         epilog="\n\n".join([
             wrap("Output: the JSON head map at --out (model name and type, layers, KV heads, ratios, the class of "
                  "every head, TAD_V2V / TAD_T2V / S per head, the clips used); a summary on stdout; progress on "
@@ -330,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
             "      --videos clips/*.mp4 --max-frames 64 --out llava-ov-7b.h2svc.json"]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="local checkpoint folder of a llava_onevision or qwen2_5_vl model")
+                   help="local checkpoint folder of a llava_onevision, qwen2_5_vl or qwen3_vl model")
     p.add_argument("--videos", required=True, nargs="+", metavar="FILE",
                    help="sample video files PyAV can decode (each one clip)")
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the head map (JSON)")

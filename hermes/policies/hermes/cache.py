@@ -33,6 +33,7 @@ from hermes_kernels.dispatch import check_backend
 from hermes_kernels.policies.hermes.checks import check_stacks
 from hermes_kernels.policies.hermes.config import HermesConfig
 from hermes_kernels.results import CompressResult
+from hermes_kernels.rope import RotaryLayout
 
 from .attention import layer_attention
 
@@ -63,7 +64,9 @@ class HermesCache(StreamCacheBase):
                         question and its answer. Must exceed prefix_len + budget.
         dtype:          storage dtype of keys/values (the model's).
         inv_freq:       [D/2] rotary inverse frequencies taken from the model's rotary module (§2.8).
-        mrope_section:  frequency pairs per M-RoPE axis (t, h, w) for Qwen2.5-VL; None for 1D RoPE.
+        mrope_section:  which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
+                        sections, Qwen3-VL's interleaved ones), three contiguous pair counts (t, h, w), or None
+                        for 1D RoPE; stored as the `RotaryLayout` (`self.mrope_section`, 1D included).
         layer_devices:  the device of every layer (default: inv_freq's device for all); consecutive layers on
                         one device share a stack.
         stack_bounds:   layers at which a new stack starts even though the device does not change (ascending,
@@ -72,7 +75,8 @@ class HermesCache(StreamCacheBase):
     """
 
     def __init__(self, cfg: HermesConfig, *, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+                 dtype: torch.dtype, inv_freq: torch.Tensor,
+                 mrope_section: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
         if not isinstance(cfg, HermesConfig):
             raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
@@ -89,7 +93,7 @@ class HermesCache(StreamCacheBase):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self._init_stream(cfg.num_layers, batch_size, mrope_section)
+        self._init_stream(cfg.num_layers, batch_size, mrope_section, head_dim)
         self._stacks: list[_Stack] = [self._allocate(device, first, end - first, inv_freq)
                                       for device, first, end in runs]
         self._stack_of_layer: list[tuple[_Stack, int]] = []
@@ -105,7 +109,7 @@ class HermesCache(StreamCacheBase):
 
     def _allocate(self, device: torch.device, first: int, count: int, inv_freq: torch.Tensor) -> _Stack:
         kv_shape = (count, self._batch_size, self.num_kv_heads, self.capacity, self.head_dim)
-        pos_shape = (count, self._batch_size) + ((3,) if self.mrope_section else ()) + (self.capacity,)
+        pos_shape = (count, self._batch_size) + ((3,) if self.mrope else ()) + (self.capacity,)
         return _Stack(device=device, first=first,
                       keys=torch.zeros(kv_shape, dtype=self.dtype, device=device),
                       values=torch.zeros(kv_shape, dtype=self.dtype, device=device),

@@ -140,12 +140,13 @@ def _guidance_forward(language_model, cache: HermesCache, plan: GuidancePlan, id
     last_layer = max(layer for layer, seg in enumerate(segment_of_layer) if seg is not None)
     stored = 0 if chunk is None else chunk.embeds.shape[1]
     inputs = {"input_ids": input_ids}
-    if chunk is not None:
+    if chunk is not None:  # the chunk's tokens first, with the family's extra arguments (Qwen3-VL's DeepStack)
         chunk_rel = chunk.rel_positions
         chunk_rel = torch.arange(stored, device=device) if chunk_rel is None else chunk_rel.to(device)
         # the prompts start right after the chunk's largest offset, where a pass after its prefill puts them
         rel = rel + (chunk_rel.max() + 1)
-        inputs = {"inputs_embeds": torch.cat([chunk.embeds, language_model.embed_tokens(input_ids)], dim=1)}
+        inputs = {"inputs_embeds": torch.cat([chunk.embeds, language_model.embed_tokens(input_ids)], dim=1),
+                  **chunk.lm_kwargs(stored + count)}
     if cache.mrope:
         rel = rel.unsqueeze(1).expand(-1, 3, -1)
     if chunk is not None:

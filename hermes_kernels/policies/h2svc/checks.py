@@ -161,13 +161,12 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, m
         raise ValueError(f"keys: expected H_c >= 1 rows and B >= 1 streams, got {tuple(keys.shape)}")
     if D < 2 or D % 2:
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
-    check_positions(positions, [H_c, B], C, mrope_section, keys)
+    check_positions(positions, [H_c, B], C, check_rotary(inv_freq, mrope_section, D), keys)
     check_tensor("slot_frames", slot_frames, (3,), (torch.int64,), f"[H_c, B, W={W}] int64")
     if tuple(slot_frames.shape) != (H_c, B, W):
         raise ValueError(f"slot_frames: expected [H_c={H_c}, B={B}, W={W}] int64 ({W} home slots of class "
                          f"{cls}), got {tuple(slot_frames.shape)}")
     check_same_device("slot_frames", slot_frames, "keys", keys)
-    check_rotary(inv_freq, mrope_section, D)
     check_int("held", held, 0)
     if held > W:
         raise ValueError(f"held: at most W={W} frames sit in the home slots, got {held}")

@@ -139,7 +139,7 @@ class H2SVCConfig:
     max_positions: int = 32768
     margin: int = 1024
 
-    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl")
+    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl")
 
     head_classes: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
     profiled: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -262,3 +262,12 @@ class H2SVCConfig:
         2×2 to 14²). Positions are 3D M-RoPE (t, h, w); 128000 positions; the paper's windows and ratios."""
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, prefix_len=prefix_len,
                    tokens_per_frame=tokens_per_frame, head_map=head_map, max_positions=max_positions, **overrides)
+
+    @classmethod
+    def qwen3_vl(cls, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int = 196,
+                 head_map=None, max_positions: int = 262144, **overrides) -> "H2SVCConfig":
+        """Qwen3-VL: as `qwen2_5_vl` (one frame = one temporal grid step of two sampled frames), with 16 px patches
+        merged 2×2, so 196 tokens for 448² px input; 262144 positions (Qwen3-VL-8B); M-RoPE with interleaved
+        sections (`RotaryLayout.interleaved`); the paper's windows and ratios."""
+        return cls.qwen2_5_vl(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
+                              head_map=head_map, max_positions=max_positions, **overrides)

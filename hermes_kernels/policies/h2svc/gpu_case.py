@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from ...gpu_specs import meta
+from ...rope import RotaryLayout
 from .config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 
 
@@ -36,12 +37,17 @@ class H2SVCCase:
 
     label: str
     head_dim: int
-    mrope_section: tuple[int, int, int] | None
+    mrope_section: tuple[int, int, int] | RotaryLayout | None
     dtype: torch.dtype
     cfg: H2SVCConfig
     chunk_frames: int
     reindex: bool
     batch: int = 1
+
+    @property
+    def rotary(self) -> RotaryLayout:
+        """The layout the case's `mrope_section` describes (None: 1D)."""
+        return RotaryLayout.of(self.mrope_section, self.head_dim // 2)
 
     @property
     def classes(self) -> tuple[int, ...]:
@@ -62,7 +68,7 @@ class H2SVCCase:
         """The state of class `cls`'s block at the start of the step (after the chunk's prefill)."""
         H, B, D, W = self.cfg.num_rows(cls), self.batch, self.head_dim, self.cfg.window(cls)
         C = self.cfg.prefix_len + (W + self.chunk_frames) * self.cfg.tokens_per_frame
-        axes = () if self.mrope_section is None else (3,)
+        axes = (3,) if self.rotary.num_axes == 3 else ()
         features = meta(H, B, W, D) if cls == EPISODIC else None
         return H2SVCBlock(meta(H, B, C, D, dtype=self.dtype), meta(H, B, C, D, dtype=self.dtype),
                           meta(H, B, *axes, C, dtype=torch.int64), meta(H, B, W, dtype=torch.int64), features)

@@ -9,6 +9,7 @@ import torch
 
 from ...dispatch import pick
 from ...results import H2SVCStepResult
+from ...rope import RotaryLayout
 from . import features as feature_kernels
 from . import stce as stce_kernels
 from . import step as step_kernels
@@ -39,23 +40,25 @@ def stce_select(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Te
 
 
 def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, slot_frames: torch.Tensor,
-               cfg: H2SVCConfig, cls, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
-               held: int, num_frames: int, first_frame: int, reindex: bool, next_position: int,
+               cfg: H2SVCConfig, cls, inv_freq: torch.Tensor,
+               mrope_section: Sequence[int] | RotaryLayout | None = None, *, held: int, num_frames: int,
+               first_frame: int, reindex: bool, next_position: int,
                features: torch.Tensor | None = None, backend: str = "auto") -> H2SVCStepResult:
     """One H2SVC step of one class block, in place; same contract as
     `hermes_kernels.policies.h2svc.reference.h2svc_step`.
 
     keys/values [H_c, B, C, D] fp16/bf16/fp32/fp64 (any strides); positions int64 [H_c, B, C] or [H_c, B, 3, C]
-    (M-RoPE with mrope_section); slot_frames int64 [H_c, B, W] (W = cfg.window(cls)); features float32
-    [H_c, B, W, D] for EPISODIC blocks, None otherwise; cls INSTANT/SHORT/EPISODIC or its name; held, num_frames,
-    first_frame, reindex and next_position are the caller's host values (no host sync on CUDA: the contents checks
-    run on CPU tensors only). Result: held' = min(W, held + F), kept = slot_frames (the same tensor, updated),
-    compacted = reindex.
+    (M-RoPE); mrope_section None (1D), three contiguous pair counts or a `RotaryLayout`; slot_frames int64 [H_c, B, W]
+    (W = cfg.window(cls)); features float32 [H_c, B, W, D] for EPISODIC blocks, None otherwise; cls
+    INSTANT/SHORT/EPISODIC or its name; held, num_frames, first_frame, reindex and next_position are the caller's host
+    values (no host sync on CUDA: the contents checks run on CPU tensors only). Result: held' = min(W, held + F), kept =
+    slot_frames (the same tensor, updated), compacted = reindex.
     """
     # the arriving values' finiteness is checked on their features, inside the step before its first write
     cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held,
                            num_frames, first_frame, reindex, next_position, features, arriving_values=False)
+    layout = RotaryLayout.of(mrope_section, keys.shape[-1] // 2)  # checked above
     impl = pick(backend, keys.device, step_kernels.h2svc_step_triton, step_kernels.h2svc_step_torch)
-    held_after = impl(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held, num_frames,
+    held_after = impl(keys, values, positions, slot_frames, cfg, cls, inv_freq, layout, held, num_frames,
                       first_frame, reindex, next_position, features)
     return H2SVCStepResult(held=held_after, kept=slot_frames, compacted=reindex)

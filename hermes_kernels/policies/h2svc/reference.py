@@ -20,7 +20,7 @@ import torch
 
 from ...dtypes import work_dtype
 from ...results import H2SVCStepResult
-from ...rope import apply_rotary_delta, compact_positions
+from ...rope import RotaryLayout, apply_rotary_delta, compact_positions
 from .checks import (check_attention_profile, check_fifo, check_frame_features, check_h2svc_step, check_head_scores,
                      check_stce, check_tad_pair, check_trajectory)
 from .config import EPISODIC, INSTANT, SHORT, H2SVCConfig
@@ -317,16 +317,18 @@ def fifo_keep(frames: torch.Tensor, first_frame: int, num_frames: int, window: i
 # ---------------------------------------------------------------------------------------------------------------
 
 def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, slot_frames: torch.Tensor,
-               cfg: H2SVCConfig, cls, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
+               cfg: H2SVCConfig, cls, inv_freq: torch.Tensor,
+               mrope_section: Sequence[int] | RotaryLayout | None = None, *,
                held: int, num_frames: int, first_frame: int, reindex: bool, next_position: int,
                features: torch.Tensor | None = None) -> H2SVCStepResult:
     """One H2SVC step of one class block, in place, after the chunk's prefill (docs/h2svc.md §7).
 
-    keys/values: [H_c, B, C, D] fp16/bf16/fp32/fp64; positions: int64 [H_c, B, C] or [H_c, B, 3, C] (M-RoPE with
-    `mrope_section`); slot_frames: int64 [H_c, B, W] (W = cfg.window(cls)); features (EPISODIC only): float32
-    [H_c, B, W, D] (float64 for a float64 cache). Token slots [0, P) hold the prefix; frame slot s covers
-    [P + s·T_f, P + (s+1)·T_f). `held` frames sit in home slots [0, held); the F = num_frames arrivals
-    (frames first_frame + i) were written at frame slots held + i, some possibly past W (overflow slots).
+    keys/values: [H_c, B, C, D] fp16/bf16/fp32/fp64; positions: int64 [H_c, B, C] or [H_c, B, 3, C] (M-RoPE:
+    `mrope_section` three contiguous pair counts or a `RotaryLayout`); slot_frames: int64 [H_c, B, W] (W =
+    cfg.window(cls)); features (EPISODIC only): float32 [H_c, B, W, D] (float64 for a float64 cache). Token slots [0, P)
+    hold the prefix; frame slot s covers [P + s·T_f, P + (s+1)·T_f). `held` frames sit in home slots [0, held); the F =
+    num_frames arrivals (frames first_frame + i) were written at frame slots held + i, some possibly past W (overflow
+    slots).
 
     1. keep set per row: FIFO keeps the newest min(W, held + F) frames; EPISODIC runs STCE (capacity W) over
        the held frames then the arrivals, whose features are `frame_features` of their values.
@@ -342,6 +344,7 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     """
     cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held,
                            num_frames, first_frame, reindex, next_position, features, contents=True)
+    layout = RotaryLayout.of(mrope_section, keys.shape[-1] // 2)  # checked above
     P, T_f, W, F = cfg.prefix_len, cfg.tokens_per_frame, cfg.window(cls), num_frames
     held_after = min(W, held + F)
     H_c, B = keys.shape[:2]
@@ -384,6 +387,6 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
                 rank = compact_positions(old, 0)  # dense rank per axis among the row's retained values
                 distinct = int(rank.max()) + 1  # E: the largest distinct count over the axes
                 new = rank + (next_position - distinct)
-                keys[row, b, tokens] = apply_rotary_delta(keys[row, b, tokens], new - old, inv_freq, mrope_section)
+                keys[row, b, tokens] = apply_rotary_delta(keys[row, b, tokens], new - old, inv_freq, layout)
                 positions[row, b][..., tokens] = new
     return H2SVCStepResult(held=held_after, kept=slot_frames, compacted=reindex)

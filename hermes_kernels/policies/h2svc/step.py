@@ -52,6 +52,7 @@ from ... import native, rows
 from ...dtypes import TRITON_WORK, work_dtype
 from ...gpu_specs import gpu_spec
 from ...launch import launch
+from ...rope import RotaryLayout
 from . import features as _features
 from . import stce as _stce
 from .checks import check_arriving_features
@@ -182,7 +183,7 @@ class RowWork:
     delta: torch.Tensor | None
 
 
-def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, mrope_section, held: int,
+def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, layout: RotaryLayout, held: int,
               num_frames: int, first_frame: int, reindex: bool, next_position: int, features, feature_op,
               stce_op) -> RowWork:
     """Steps 1-4 except the row work, in place: keep sets, slot plan, positions, slot_frames and features.
@@ -207,7 +208,7 @@ def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, 
         kept_slot = fifo_keep_mask(frame_of_slot, held, W)
     source, destination = slot_plan(kept_slot, W)
 
-    pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [H_c, B, A, C] view
+    pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [H_c, B, A, C] view
     A = pos.shape[2]
     delta = None
     if reindex:
@@ -240,7 +241,7 @@ def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, 
 # torch twin
 # ----------------------------------------------------------------------------------------------------------------
 
-def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mrope_section) -> None:
+def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, layout: RotaryLayout) -> None:
     """Row work on torch tensors: compaction's C walk on CPU fp32/bf16 caches, else torch ops over all rows."""
     P, T = cfg.prefix_len, cfg.tokens_per_frame
     H, B = keys.shape[:2]
@@ -251,9 +252,9 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mr
     home_tokens = _tokens(work.source, P, T)  # the C walk and the tiled rotation write list entry i to slot P + i
     if rows.use_native(None, k5, v5):
         # without re-indexing (delta None) the walk skips every token that stays and copies the movers exactly
-        rows.move_rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section, stream=True)
+        rows.move_rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, layout, stream=True)
     elif work.delta is not None:
-        rows.move_rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, mrope_section)
+        rows.move_rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, layout)
     else:
         # whole frames move: index the [H_c, B, frame slot] dims of a [H_c, B, S, T_f, D] view, so each mover is
         # one block copy; evicted overflow frames are copied onto themselves (a no-op that keeps it one index op)
@@ -267,13 +268,14 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mr
 
 
 def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
-                     mrope_section: Sequence[int] | None, held: int, num_frames: int, first_frame: int,
+                     mrope_section: Sequence[int] | RotaryLayout | None, held: int, num_frames: int, first_frame: int,
                      reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
     """One H2SVC step on a class block, in place, vectorised over rows and streams; inputs validated (see the
     module docstring for the state and the steps). Returns held' = min(W, held + F)."""
-    work = plan_step(keys, values, positions, slot_frames, cfg, cls, mrope_section, held, num_frames, first_frame,
+    layout = RotaryLayout.of(mrope_section, keys.shape[-1] // 2)
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, held, num_frames, first_frame,
                      reindex, next_position, features, _features.frame_features_torch, _stce.stce_select_torch)
-    _move_rows_torch(keys, values, work, cfg, inv_freq, mrope_section)
+    _move_rows_torch(keys, values, work, cfg, inv_freq, layout)
     return work.held
 
 
@@ -284,13 +286,13 @@ def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls
 # Grid (H_c·B·J, cdiv(T_f, BLOCK_T)): a program takes one tile of one work item's tokens: it reads each token's key
 # row (and value row, when the item changes slot) once from the source frame slot and writes it to the destination.
 # Sources are the item's own slot or an overflow slot, which no program writes, so programs need no ordering.
-# Values are moved before keys are read, so a thread never holds both tiles. B, J (streams, work items) and the
-# M-RoPE section ends are runtime values, not specialised: one compile serves every stream count, every held count
-# of a filling memory and every head dim's section.
-@triton.jit(do_not_specialize=["B", "J", "t_end", "h_end"])
-def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
+# Values are moved before keys are read, so a thread never holds both tiles. B and J (streams, work items) are
+# runtime values, not specialised, and each pair's M-RoPE axis is read from the layout's axis map (int32 [HALF]):
+# one compile serves every stream count, every held count of a filling memory and every rotary layout.
+@triton.jit(do_not_specialize=["B", "J"])
+def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr, axis_ptr,
                        sk_h, sk_b, sk_n, sk_d, sv_h, sv_b, sv_n, sv_d,
-                       B, J, T, P, HALF, t_end, h_end,
+                       B, J, T, P, HALF,
                        A: tl.constexpr, ROTATE: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_PAIRS: tl.constexpr):
     pid = tl.program_id(0)  # (row, stream, item), item fastest
@@ -318,16 +320,19 @@ def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
 
     # keys: copied, and rotated when re-indexing turns them
     if ROTATE:
-        # §4: angle = delta·inv_freq from the integer delta, per M-RoPE section
+        # §4: angle = delta·inv_freq from the integer delta of each pair's axis; each axis's delta is converted to
+        # the work dtype before the per-pair pick (the same values), so the [token, pair] tile is not int64. The
+        # axis map is loaded straight into the tile's layout (a few L1 hits): loaded as a vector and broadcast, it
+        # went through shared memory and spilled at D = 256 on sm_90 (bench/kernels.py)
         inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
         delta_row = delta_ptr + row_stream.to(tl.int64) * A * J * T + item * T + token
-        d0 = tl.load(delta_row, mask=live, other=0)
+        d0 = tl.load(delta_row, mask=live, other=0).to(WORK)
         if A == 3:
-            d1 = tl.load(delta_row + J * T, mask=live, other=0)
-            d2 = tl.load(delta_row + 2 * J * T, mask=live, other=0)
-            axis = (pair >= t_end).to(tl.int32) + (pair >= h_end).to(tl.int32)
+            d1 = tl.load(delta_row + J * T, mask=live, other=0).to(WORK)
+            d2 = tl.load(delta_row + 2 * J * T, mask=live, other=0).to(WORK)
+            axis = tl.load(axis_ptr + pair[None, :] + 0 * token[:, None], mask=in_dim[None, :], other=0)
             turned = (d0 != 0) | (d1 != 0) | (d2 != 0)
-            delta = tl.where(axis[None, :] == 0, d0[:, None], tl.where(axis[None, :] == 1, d1[:, None], d2[:, None]))
+            delta = tl.where(axis == 0, d0[:, None], tl.where(axis == 1, d1[:, None], d2[:, None]))
         else:
             turned = d0 != 0
             delta = d0[:, None]
@@ -338,7 +343,7 @@ def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
     k1 = tl.load(k_base + src_row * sk_n + pair[None, :] * sk_d, mask=mask_k, other=0)
     k2 = tl.load(k_base + src_row * sk_n + (pair + HALF)[None, :] * sk_d, mask=mask_k, other=0)
     if ROTATE:
-        angle = delta.to(WORK) * inv_freq[None, :]
+        angle = delta * inv_freq[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle)
         w1 = k1.to(WORK)
@@ -349,7 +354,7 @@ def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
     tl.store(k_base + dst_row * sk_n + (pair + HALF)[None, :] * sk_d, k2, mask=mask_k)
 
 
-def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, mrope_section) -> None:
+def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, layout: RotaryLayout) -> None:
     """Row work in one launch of `_frame_move_kernel`: re-indexing, one item per home slot (every retained key
     rotates); otherwise one per overflow slot (only movers change slot). Nothing launches when there is no work."""
     P, T = cfg.prefix_len, cfg.tokens_per_frame
@@ -367,10 +372,6 @@ def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, m
     if J == 0:
         return
     half = D // 2
-    t_end = h_end = half
-    if mrope_section is not None:
-        t_end = int(mrope_section[0])
-        h_end = t_end + int(mrope_section[1])
     arith = work_dtype(keys)
     block_pairs = triton.next_power_of_2(half)
     # a half tile of _TILE_BYTES in the widest dtype a thread holds it in (the cache's, or the rotation's work
@@ -378,19 +379,20 @@ def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, m
     element = max(keys.element_size(), arith.itemsize if rotate else 0)
     block_t = min(triton.next_power_of_2(T), max(1, _TILE_BYTES // (block_pairs * element)))
     launch(_frame_move_kernel, (H * B * J, triton.cdiv(T, block_t)), keys, values, source, destination, delta,
-           inv_freq.to(device=keys.device, dtype=arith), *keys.stride(), *values.stride(), B, J, T, P, half,
-           t_end, h_end, A=3 if mrope_section is not None else 1, ROTATE=rotate, WORK=TRITON_WORK[arith],
+           inv_freq.to(device=keys.device, dtype=arith), layout.axis_tensor(keys.device), *keys.stride(),
+           *values.stride(), B, J, T, P, half, A=layout.num_axes, ROTATE=rotate, WORK=TRITON_WORK[arith],
            BLOCK_T=block_t, BLOCK_PAIRS=block_pairs)
 
 
 def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
-                      mrope_section: Sequence[int] | None, held: int, num_frames: int, first_frame: int,
+                      mrope_section: Sequence[int] | RotaryLayout | None, held: int, num_frames: int, first_frame: int,
                       reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
     """`h2svc_step_torch` with the features, the STCE walk and the row work as Triton launches (3 for an
     EPISODIC block, 1 for a FIFO block, none when nothing moves); the plan is torch ops, no host sync."""
-    work = plan_step(keys, values, positions, slot_frames, cfg, cls, mrope_section, held, num_frames, first_frame,
+    layout = RotaryLayout.of(mrope_section, keys.shape[-1] // 2)
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, held, num_frames, first_frame,
                      reindex, next_position, features, _features.frame_features_triton, _stce.stce_select_triton)
-    _move_rows_triton(keys, values, work, cfg, inv_freq, mrope_section)
+    _move_rows_triton(keys, values, work, cfg, inv_freq, layout)
     return work.held
 
 

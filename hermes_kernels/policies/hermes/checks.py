@@ -13,6 +13,7 @@ import torch
 
 from ...checks import check_keys_values, check_positions, check_rotary, check_same_device, check_tensor
 from ...dtypes import CACHE_DTYPES, SCORE_DTYPES
+from ...rope import RotaryLayout
 from .config import HermesConfig
 
 
@@ -91,10 +92,12 @@ def check_compacted_flag(compacted_flag, keys: torch.Tensor) -> None:
 
 
 def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, cfg: HermesConfig,
-                inv_freq: torch.Tensor, mrope_section: Sequence[int] | None, layers: range | None = None) -> None:
+                inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None,
+                layers: range | None = None) -> RotaryLayout:
     """keys/values [L,B,Hkv,N,D] one dtype and device, positions int64 [L,B,N] or [L,B,3,N] (M-RoPE),
-    inv_freq [D/2], mrope_section summing to D/2 when given; N > prefix_len. L = len(layers), the layers of
-    cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`."""
+    inv_freq [D/2], mrope_section a description of D/2 pairs (`RotaryLayout.of`); N > prefix_len. L = len(layers),
+    the layers of cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`.
+    Returns the rotary layout."""
     _config(cfg)
     check_keys_values(keys, values, 5, "[L, B, Hkv, N, D]")
     L, B, Hkv, N, D = keys.shape
@@ -108,8 +111,9 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         raise ValueError(f"keys: cache length N={N} holds no visual token after prefix_len={cfg.prefix_len}")
     if D % 2:
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
-    check_positions(positions, [L, B], N, mrope_section, keys)
-    check_rotary(inv_freq, mrope_section, D)
+    layout = check_rotary(inv_freq, mrope_section, D)
+    check_positions(positions, [L, B], N, layout, keys)
+    return layout
 
 
 def check_keep(keep: torch.Tensor, keys: torch.Tensor, cfg: HermesConfig) -> None:
@@ -122,22 +126,25 @@ def check_keep(keep: torch.Tensor, keys: torch.Tensor, cfg: HermesConfig) -> Non
     check_same_device("keep", keep, "keys", keys)
 
 
-def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) -> None:
-    """All checks of one compression step (§3 `compress_step`), before anything is written."""
-    check_cache(keys, values, positions, cfg, inv_freq, mrope_section)
+def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) -> RotaryLayout:
+    """All checks of one compression step (§3 `compress_step`), before anything is written; returns the rotary
+    layout."""
+    layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section)
     check_attn(attn, cfg, num_visual=keys.shape[3] - cfg.prefix_len)
     if attn.shape[1] != keys.shape[1]:
         raise ValueError(f"attn: expected [L, B={keys.shape[1]}, V], got {tuple(attn.shape)}")
     check_same_device("attn", attn, "keys", keys)
+    return layout
 
 
-def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None) -> None:
+def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig,
+                 mrope_section: Sequence[int] | RotaryLayout | None) -> RotaryLayout:
     """All checks of one compression step over a cache split into per-device stacks (§2.6–2.7), before anything
     is written on any device.
 
     stacks: a non-empty sequence of (layers, keys, values, positions, inv_freq); `layers` is a range whose stack
     passes `check_cache`; the ranges follow each other in order and cover [0, L) exactly; every stack has the
-    same [B, Hkv, N, D]. attn: [L, B, N - prefix_len] float32, finite, on any device.
+    same [B, Hkv, N, D]. attn: [L, B, N - prefix_len] float32, finite, on any device. Returns the rotary layout.
     """
     _config(cfg)
     if isinstance(stacks, (str, bytes)) or not isinstance(stacks, Sequence) or len(stacks) == 0:
@@ -153,7 +160,7 @@ def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: S
             if layers is None:  # check_layers reads None as "all layers"; a stack must say which it holds
                 raise TypeError("layers: expected a range of consecutive layer indices, got NoneType")
             check_layers(layers, cfg)
-            check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+            layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
         except (TypeError, ValueError) as error:
             raise type(error)(f"stacks[{index}]: {error}") from error
         if layers.start != next_layer:
@@ -171,3 +178,4 @@ def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: S
     check_attn(attn, cfg, num_visual=N - cfg.prefix_len)
     if attn.shape[1] != B:
         raise ValueError(f"attn: expected [L, B={B}, V], got {tuple(attn.shape)}")
+    return layout

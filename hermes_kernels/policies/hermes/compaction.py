@@ -49,6 +49,7 @@ from typing import Sequence
 import torch
 
 from ... import rows
+from ...rope import RotaryLayout
 from .config import HermesConfig
 
 __all__ = ["compact_torch", "reindex_flag"]
@@ -85,14 +86,16 @@ def reindex_flag(positions: Sequence[torch.Tensor], cfg: HermesConfig, device: t
 # ----------------------------------------------------------------------------------------------------------------
 
 def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                  cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
-                  layers: range | None = None, compacted_flag: torch.Tensor | None = None, *,
+                  cfg: HermesConfig, inv_freq: torch.Tensor,
+                  mrope_section: Sequence[int] | RotaryLayout | None = None, layers: range | None = None,
+                  compacted_flag: torch.Tensor | None = None, *,
                   native: bool | None = None) -> tuple[int, torch.Tensor]:
     """Vectorised PyTorch compaction, in place; same result as `reference.compact` (Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64 (any strides); positions: int64 [L, B, N] (1D) or
-    [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep` (ascending, -1 padded: only deep layers with
-    summary on carry one -1, exactly in the column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
+    [L, B, 3, N] (M-RoPE); mrope_section: what `RotaryLayout.of` takes (each pair's axis comes from it); keep: int64
+    [L, B, n] from `select_keep` (ascending, -1 padded: only deep layers with summary on carry one -1, exactly in the
+    column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
     layers: the config's layers the tensors hold (L = len(layers); default all); compacted_flag: 0-dim bool on the
     cache's device that overrides the config's decision (default: `reindex_flag` of these positions).
     native: which mover does the row work: None (default) = the C kernel (`rows.move_rows_native`) whenever it
@@ -109,7 +112,8 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     layers = range(L) if layers is None else layers
     in_c = rows.use_native(native, keys, values)  # the CPU C walk, with the counting dense rank of CPU tensors
     flag = reindex_flag([positions], cfg, keys.device) if compacted_flag is None else compacted_flag
-    pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
+    layout = RotaryLayout.of(mrope_section, D // 2)
+    pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
 
     # §2.7: old and new positions of the kept tokens, per axis
@@ -137,7 +141,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
 
     mover = rows.move_rows_native if in_c else rows.move_rows_torch
     sums = mover(keys, values, P, torch.where(valid.squeeze(2), src, -1), delta, first, pruned, to_target,
-                inv_freq, mrope_section)
+                inv_freq, layout)
     pos[..., P:P + n] = new
     if pruned_deep:
         slot = P + kept_deep

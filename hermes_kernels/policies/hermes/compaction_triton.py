@@ -19,6 +19,7 @@ from ... import rows
 from ...dtypes import TRITON_WORK, work_dtype
 from ...gpu_specs import gpu_spec
 from ...launch import launch
+from ...rope import RotaryLayout
 from .gpu_case import HermesCase
 from .config import DEEP, HermesConfig
 
@@ -234,13 +235,13 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
 
 # One program per (layer, stream, KV head, channel group) walks source tokens left to right in tiles of BLOCK_T:
 # loads the K/V rows it needs (moved, rotated, or pruned in a summarising layer) once, and after a barrier stores
-# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe. The
-# M-RoPE section ends t_end, h_end (in pairs) are runtime values, not specialised: every head dim and section
-# shares one compile.
-@triton.jit(do_not_specialize=["t_end", "h_end"])
-def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, role_ptr,
+# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe. Each
+# frequency pair's M-RoPE axis is read from the layout's axis map (int32 [HALF], `RotaryLayout.axis_tensor`), so
+# contiguous and interleaved sections of every head dim share one compile.
+@triton.jit
+def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, axis_ptr, budget_ptr, role_ptr,
                  sk_l, sk_b, sk_h, sk_n, sk_d, sv_l, sv_b, sv_h, sv_n, sv_d,
-                 B, Hkv, P, V, HALF, summary_role, t_end, h_end,
+                 B, Hkv, P, V, HALF, summary_role,
                  A: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
     pid = tl.program_id(0)  # (layer, stream, head), head fastest
     head = pid % Hkv
@@ -254,7 +255,7 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, ro
     in_dim = pair < HALF
     inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
     if A == 3:
-        axis = (pair >= t_end).to(tl.int32) + (pair >= h_end).to(tl.int32)  # M-RoPE section of each pair
+        axis = tl.load(axis_ptr + pair, mask=in_dim, other=0)  # the M-RoPE axis of each pair
     k_base = k_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
     v_base = v_ptr + layer.to(tl.int64) * sv_l + stream.to(tl.int64) * sv_b + head.to(tl.int64) * sv_h
     k_col1 = pair[None, :] * sk_d
@@ -274,7 +275,7 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, ro
         kept = slot >= 0
         pruned = tl.where(summarise, (j < V) & (slot < 0), False)  # only summarising layers read them
         needed = kept | pruned
-        # §2.8: angle = delta·inv_freq in the work dtype from the integer delta, per M-RoPE section
+        # §2.8: angle = delta·inv_freq in the work dtype from the integer delta of each pair's axis
         d0 = tl.load(delta_row + j, mask=needed, other=0)
         if A == 3:
             d1 = tl.load(delta_row + V + j, mask=needed, other=0)
@@ -326,13 +327,14 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, budget_ptr, ro
 
 
 def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                   cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
-                   layers: range | None = None,
+                   cfg: HermesConfig, inv_freq: torch.Tensor,
+                   mrope_section: Sequence[int] | RotaryLayout | None = None, layers: range | None = None,
                    compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """Fused in-place compaction (Alg. 1, appendix E) in three launches; same result as `reference.compact`.
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64, any strides (e.g. `buffer[..., :N, :]` views);
-    positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE); keep: int64 [L, B, n] from `select_keep`.
+    positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE, each pair's axis from `RotaryLayout.of(mrope_section)`);
+    keep: int64 [L, B, n] from `select_keep`.
     layers: the config's layers the tensors hold (L = len(layers); default all): the kernels read those layers'
     budgets and roles. compacted_flag: 0-dim bool on the cache's device, read by the plan kernel instead of the
     config's decision (default: decided on the device from these positions).
@@ -344,13 +346,10 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     layers = range(L) if layers is None else layers
     device = keys.device
     work = work_dtype(keys)
-    pos = positions if mrope_section is not None else positions.unsqueeze(2)  # [L, B, A, N] view
-    A = pos.shape[2]
     half = D // 2
-    t_end, h_end = half, half
-    if mrope_section is not None:
-        t_end = int(mrope_section[0])
-        h_end = t_end + int(mrope_section[1])
+    layout = RotaryLayout.of(mrope_section, half)
+    pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [L, B, A, N] view
+    A = pos.shape[2]
     per_layer = cfg.on(device)
     budget = per_layer.layer_budget[layers.start:layers.stop]  # views: the kernels index them by local layer
     role = per_layer.role[layers.start:layers.stop]
@@ -375,8 +374,8 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
            summary_role, A=A, TRIGGER=trigger, CHUNK=chunk)
     block_pairs = min(32, triton.next_power_of_2(half))
     launch(_move_kernel, (L * B * Hkv, triton.cdiv(half, block_pairs)), keys, values, dest, delta, inv,
-           budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half, summary_role, t_end, h_end,
-           A=A, WORK=TRITON_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
+           layout.axis_tensor(device), budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
+           summary_role, A=A, WORK=TRITON_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag
 
 

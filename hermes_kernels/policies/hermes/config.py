@@ -59,7 +59,7 @@ class HermesConfig:
     margin: int = 1024
     eps: float = 1e-6
 
-    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "paper")
+    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl", "paper")
 
     role: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
     omega: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
@@ -191,6 +191,16 @@ class HermesConfig:
         params.update(overrides)
         return cls(num_layers=num_layers, budget=budget, prefix_len=prefix_len, max_positions=max_positions,
                    **params)
+
+    @classmethod
+    def qwen3_vl(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 262144,
+                 **overrides) -> "HermesConfig":
+        """Qwen3-VL (docs/hermes.md §5 item 12): the released code has no Qwen3-VL wrapper and the paper gives
+        no constants of its own for it, so this is `qwen2_5_vl` with Qwen3-VL-8B's 262144 positions. The layer
+        split is by fraction of depth (36 layers: 0-2 shallow, 3-24 mid, 25-35 deep). Positions are 3D M-RoPE
+        with interleaved sections (`RotaryLayout.interleaved`); compaction ranks each axis separately.
+        """
+        return cls.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
 
     @classmethod
     def paper(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 32768,

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from ...gpu_specs import meta
+from ...rope import RotaryLayout
 from .config import HermesConfig
 
 
@@ -26,7 +27,7 @@ class HermesCase:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    mrope_section: tuple[int, int, int] | None
+    mrope_section: tuple[int, int, int] | RotaryLayout | None
     dtype: torch.dtype
     cfg: HermesConfig
     chunk_tokens: int
@@ -34,6 +35,11 @@ class HermesCase:
     guidance_tokens: tuple[int, ...]
     reindex: str
     batch: int = 1
+
+    @property
+    def rotary(self) -> RotaryLayout:
+        """The layout the case's `mrope_section` describes (None: 1D)."""
+        return RotaryLayout.of(self.mrope_section, self.head_dim // 2)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +58,7 @@ class HermesCase:
         L, B, Hkv, D, N = self.num_layers, self.batch, self.num_kv_heads, self.head_dim, self.num_tokens
         keys = self.empty(L, B, Hkv, self.capacity, D, dtype=self.dtype)[..., :N, :]
         values = self.empty(L, B, Hkv, self.capacity, D, dtype=self.dtype)[..., :N, :]
-        axes = () if self.mrope_section is None else (3,)
+        axes = (3,) if self.rotary.num_axes == 3 else ()
         positions = self.empty(L, B, *axes, self.capacity, dtype=torch.int64)[..., :N]
         return keys, values, positions
 

@@ -12,6 +12,7 @@ import torch
 
 from ...dispatch import pick, resolve_backend
 from ...results import CompressResult
+from ...rope import RotaryLayout
 from . import compaction, compaction_triton, pooling, scoring, select
 from .checks import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep, check_layers,
                      check_pooled_attention, check_scores, check_stacks)
@@ -44,7 +45,7 @@ def select_keep(scores: torch.Tensor, cfg: HermesConfig, backend: str = "auto") 
 
 
 def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None = None,
             backend: str = "auto", *, layers: range | None = None,
             compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """In-place gather + re-index + rotary delta + summary (Alg. 1, appendix E). Returns (length, compacted_flag).
@@ -54,28 +55,28 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
     decision for the whole model and wins over the config (§2.7), default: decided from these positions.
     """
     layers = check_layers(layers, cfg)
-    check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+    layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
     check_keep(keep, keys, cfg)
     check_compacted_flag(compacted_flag, keys)
     impl = pick(backend, keys.device, compaction_triton.compact_triton, compaction.compact_torch)
-    return impl(keys, values, positions, keep, cfg, inv_freq, mrope_section, layers, compacted_flag)
+    return impl(keys, values, positions, keep, cfg, inv_freq, layout, layers, compacted_flag)
 
 
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
-                  cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None,
+                  cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None = None,
                   backend: str = "auto") -> CompressResult:
     """One HERMES compression step in place; same contract as `reference.compress_step` (§3).
 
     keys/values [L, B, Hkv, N, D] fp16/bf16/fp32 (first `length` slots valid afterwards); positions int64
-    [L, B, N] or [L, B, 3, N] (M-RoPE with `mrope_section`); attn float32 [L, B, N - prefix_len].
+    [L, B, N] or [L, B, 3, N] (M-RoPE); attn float32 [L, B, N - prefix_len]. mrope_section: None (1D RoPE),
+    three contiguous pair counts (t, h, w) or a `RotaryLayout` (interleaved M-RoPE included).
     """
-    check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
-    return _compress([(range(cfg.num_layers), keys, values, positions, inv_freq)], attn, cfg, mrope_section,
-                     backend)
+    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
+    return _compress([(range(cfg.num_layers), keys, values, positions, inv_freq)], attn, cfg, layout, backend)
 
 
 def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                    attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None = None,
+                    attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | RotaryLayout | None = None,
                     backend: str = "auto") -> CompressResult:
     """One HERMES compression step, in place, over a cache whose layers are split into per-device stacks (§2.6).
 
@@ -89,12 +90,11 @@ def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, to
     position without a host sync; then each stack is compacted on its own device with its rows of keep and the
     flag. The result's keep, scores and compacted_flag live on attn's device. `backend` is resolved per device.
     """
-    check_stacks(stacks, attn, cfg, mrope_section)
-    return _compress(stacks, attn, cfg, mrope_section, backend)
+    layout = check_stacks(stacks, attn, cfg, mrope_section)
+    return _compress(stacks, attn, cfg, layout, backend)
 
 
-def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | None,
-              backend: str) -> CompressResult:
+def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, layout: RotaryLayout, backend: str) -> CompressResult:
     """The step behind `compress_step` and `compress_stacks`, on inputs already checked (§2.3–2.8); an unknown
     backend raises at the first dispatch, before anything is written.
 
@@ -113,6 +113,6 @@ def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequ
         device = keys.device
         impl = pick(backend, device, compaction_triton.compact_triton, compaction.compact_torch)
         length, decided = impl(keys, values, positions, keep[layers.start:layers.stop].to(device), cfg, inv_freq,
-                               mrope_section, layers, None if fused else flag.to(device))
+                               layout, layers, None if fused else flag.to(device))
         flag = decided if fused else flag
     return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), compacted_flag=flag)

@@ -14,7 +14,7 @@ import torch
 
 from ...dtypes import work_dtype
 from ...results import CompressResult
-from ...rope import apply_rotary_delta, compact_positions
+from ...rope import RotaryLayout, apply_rotary_delta, compact_positions
 from .checks import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep, check_layers,
                      check_pooled_attention, check_scores)
 from .config import DEEP, HermesConfig
@@ -100,11 +100,13 @@ def reindex_flag(positions: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
 
 
 def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | None = None, *,
-            layers: range | None = None, compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None = None,
+            *, layers: range | None = None,
+            compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """Gather kept tokens, re-index, rotate keys and write summaries, in place (eq. 6, Alg. 1, appendix E).
 
-    keys/values: [L, B, Hkv, N, D]; positions: int64 [L, B, N] or [L, B, 3, N]; keep: from `select_keep`.
+    keys/values: [L, B, Hkv, N, D]; positions: int64 [L, B, N] or [L, B, 3, N]; keep: from `select_keep`;
+    mrope_section: None, contiguous pair counts or a `RotaryLayout` (which axis turns each frequency pair).
     layers: the consecutive layers of cfg these tensors hold (a range with step 1, L = len(layers); default all
     cfg.num_layers): a model split over devices compacts each stack separately, with the roles of its own layers.
     compacted_flag: the step's re-index decision as a 0-dim bool tensor on keys' device, made by the caller for
@@ -113,7 +115,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
     Returns (length, the flag used). Slots from `length` on are left as they were.
     """
     layers = check_layers(layers, cfg)
-    check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+    layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
     check_keep(keep, keys, cfg)
     check_compacted_flag(compacted_flag, keys)
     L, B, _, N, _ = keys.shape
@@ -134,7 +136,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
             old = pos[..., P + kept]
             new = compact_positions(old, P) if compacted else old
             # appendix E: move each kept key by the rotary delta of its own position shift
-            k_kept = apply_rotary_delta(keys[layer, b][:, P + kept], new - old, inv_freq, mrope_section)
+            k_kept = apply_rotary_delta(keys[layer, b][:, P + kept], new - old, inv_freq, layout)
             v_kept = values[layer, b][:, P + kept].clone()
             summary = None
             if cfg.summary and is_deep and pruned.numel() > 0:
@@ -142,7 +144,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
                 t = torch.cat([pos[..., :P].flatten(), new.flatten()]).max() + 1
                 old_pruned = pos[..., P + pruned]
                 rotated = apply_rotary_delta(keys[layer, b][:, P + pruned].to(work), t - old_pruned,
-                                             inv_freq, mrope_section)
+                                             inv_freq, layout)
                 summary = (rotated.mean(dim=1), values[layer, b][:, P + pruned].to(work).mean(dim=1), t)
             keys[layer, b, :, P:P + n] = k_kept
             values[layer, b, :, P:P + n] = v_kept
@@ -157,15 +159,15 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
 
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
                   cfg: HermesConfig, inv_freq: torch.Tensor,
-                  mrope_section: Sequence[int] | None = None) -> CompressResult:
+                  mrope_section: Sequence[int] | RotaryLayout | None = None) -> CompressResult:
     """One HERMES compression step, in place (docs/hermes.md §2.3–2.8).
 
-    keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64; positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE with
-    `mrope_section`); attn: float32 [L, B, N - P] pooled guidance attention; inv_freq: [D/2] from the model's
-    rotary module. All inputs are checked before anything is written.
+    keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64; positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE:
+    `mrope_section` three contiguous pair counts or a `RotaryLayout`); attn: float32 [L, B, N - P] pooled guidance
+    attention; inv_freq: [D/2] from the model's rotary module. All inputs are checked before anything is written.
     """
-    check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
+    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
     scores = hermes_scores(attn, cfg)
     keep = select_keep(scores, cfg)
-    length, flag = compact(keys, values, positions, keep, cfg, inv_freq, mrope_section)
+    length, flag = compact(keys, values, positions, keep, cfg, inv_freq, layout)
     return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), compacted_flag=flag)

@@ -1,13 +1,12 @@
 """The two axes every shared stream check runs over: the model family (`case`) and the policy (`policy`)."""
 import pytest
 
-from tests.hermes.stream.policies import POLICIES
-from tests.hermes.streams import CASES
+from tests.hermes.stream.policies import FAMILIES, POLICIES
 
 
-@pytest.fixture(params=list(CASES))
+@pytest.fixture(params=list(FAMILIES))
 def case(request):
-    return CASES[request.param]
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(params=list(POLICIES))

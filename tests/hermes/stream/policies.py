@@ -2,8 +2,8 @@
 `POLICIES`: how to build a stream whose free slots are poisoned, what a failed call must leave untouched, how two
 streams are compared, which faults to inject and how to make the in-place step fail in the middle of its writes.
 
-Every shared check runs once per policy and model family (`policy` x `case` fixtures in conftest-free form: the
-test modules parametrise over `POLICIES` and `CASES`), so a behaviour the front promises for every policy is
+Every shared check runs once per policy and model family (the `policy` x `case` fixtures of this folder's conftest
+parametrise over `POLICIES` and `FAMILIES`), so a behaviour the front promises for every policy and family is
 written once.
 """
 from __future__ import annotations
@@ -22,11 +22,13 @@ from hermes_kernels.policies.hermes import compaction
 from tests.hermes.policies.h2svc.checks import h2svc_stream
 from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
 from tests.hermes.policies.h2svc.checks import whole_buffers as h2svc_buffers
-from tests.hermes.streams import QUESTION, make_stream
+from tests.hermes.streams import CASES, QUESTION, QWEN3_VL, make_stream
 from tests.hermes.streams import snapshot as hermes_snapshot
 from tests.utils import assert_close_verbose, same_bytes
 
 ERRORS = {"oom": torch.OutOfMemoryError, "interrupt": KeyboardInterrupt}
+# the model families of the shared checks: the per-policy tests' CASES and Qwen3-VL (DeepStack, timestamps)
+FAMILIES = {**CASES, QWEN3_VL.name: QWEN3_VL}
 H2SVC_WINDOWS = dict(instant_frames=1, short_frames=2, episodic_frames=3)  # every chunk after the second evicts
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from hermes.testing import llava_pixels, qwen_pixels, tiny_tokenizer
 from hermes.attention import attention_implementation
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 from hermes.stream import HermesStream
@@ -19,7 +18,6 @@ MIXED_MAP = [[EPISODIC, INSTANT], [SHORT, EPISODIC], [INSTANT, SHORT], [EPISODIC
 # a layer are not contiguous and the query heads are gathered by index
 INTERLEAVED_MAP = [[INSTANT, SHORT, INSTANT, EPISODIC], [EPISODIC, SHORT, EPISODIC, SHORT],
                    [SHORT, INSTANT, EPISODIC, INSTANT], [EPISODIC, EPISODIC, SHORT, EPISODIC]]
-SECONDS_PER_GRID = 4.0
 
 
 
@@ -30,11 +28,8 @@ def video_frames(case, frames: int) -> int:
 
 
 def chunk(case, batch: int, g: torch.Generator, frames: int) -> dict:
-    """append_video keyword arguments for one clip per stream of `frames` H2SVC frames (16 tokens each)."""
-    if case.mrope:
-        video, grid = qwen_pixels(batch, 2 * frames, g)
-        return {"video": video, "grid_thw": grid, "seconds_per_grid": SECONDS_PER_GRID}
-    return {"video": llava_pixels(batch, frames, g)}
+    """append_video keyword arguments for one clip per stream of `frames` H2SVC frames (16 visual tokens each)."""
+    return case.chunk(batch, g, video_frames(case, frames))
 
 
 def h2svc_stream(case, model, frames: int, **kwargs) -> HermesStream:
@@ -43,7 +38,7 @@ def h2svc_stream(case, model, frames: int, **kwargs) -> HermesStream:
     args = dict(policy="h2svc", head_map=MIXED_MAP, chunk_frames=video_frames(case, frames), room=160)
     args.update(case.stream_kwargs)
     args.update(kwargs)
-    stream = HermesStream(model, tiny_tokenizer(), **args)
+    stream = HermesStream(model, case.tokenizer(), **args)
     P = stream.cfg.prefix_len
     for block in stream.cache.blocks:
         for buffer in (block.keys, block.values):

@@ -9,8 +9,9 @@ import hermes_kernels as hk
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes.policies.h2svc.attention import frame_window_mask
 from hermes.policies.h2svc.cache import H2SVCCache
+from hermes_kernels.rope import RotaryLayout
 from tests.utils import DEVICE
-from tests.utils import inv_freq_for, same_bytes
+from tests.utils import INTERLEAVED, inv_freq_for, same_bytes
 
 MAP = [[INSTANT, EPISODIC, SHORT], [SHORT, SHORT, EPISODIC], [EPISODIC, INSTANT, EPISODIC], [SHORT, EPISODIC, SHORT]]
 P, T_F, D = 3, 4, 8
@@ -193,11 +194,12 @@ def test_bad_construction_arguments():
         H2SVCCache(None, **args)
 
 
-def drive(device: str, dtype: torch.dtype, mrope: bool, backend: str, check_syncs: bool) -> list[torch.Tensor]:
+def drive(device: str, dtype: torch.dtype, section, backend: str, check_syncs: bool) -> list[torch.Tensor]:
     """A cache on `device` driven the way a model drives it: the prefix, three 2-frame chunks (each layer's update
     then its per-class attention, then the step: FIFO windows cut through the chunks, STCE evicts, eager
     re-indexing rotates every retained key) and a read-only question. Inputs are drawn on the device first; with
-    `check_syncs` the whole run is under torch's CUDA sync debug mode "error". Returns the attention outputs."""
+    `check_syncs` the whole run is under torch's CUDA sync debug mode "error". `section`: the cache's
+    mrope_section (None: 1D). Returns the attention outputs."""
     from types import SimpleNamespace
 
     torch.manual_seed(0)
@@ -205,7 +207,8 @@ def drive(device: str, dtype: torch.dtype, mrope: bool, backend: str, check_sync
                       instant_frames=1, short_frames=2, episodic_frames=3, max_positions=512, margin=64,
                       reindex="eager")
     cache = H2SVCCache(cfg, batch_size=2, num_heads=6, head_dim=D, chunk_frames=2, room=5, dtype=dtype,
-                       inv_freq=inv_freq_for(D, device=device), mrope_section=[1, 1, 2] if mrope else None)
+                       inv_freq=inv_freq_for(D, device=device), mrope_section=section)
+    mrope = section is not None
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
     rel = torch.arange(2 * T_F, device=device)
     rel = torch.stack([rel // T_F, rel % 2, rel % T_F // 2]) if mrope else rel
@@ -232,18 +235,44 @@ def drive(device: str, dtype: torch.dtype, mrope: bool, backend: str, check_sync
     return outputs
 
 
-@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
-def test_a_driven_cache_gives_finite_attention(mrope):
+# the driven caches' rotary layouts (D = 8): 1D, contiguous M-RoPE sections, interleaved ones (Qwen3-VL)
+ROPES = {"1d": None, "mrope": [1, 1, 2], "interleaved": INTERLEAVED[8]}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_a_driven_cache_gives_finite_attention(rope):
     """The driver of the CUDA check below, on CPU: every attention output of every forward is finite."""
-    assert all(bool(torch.isfinite(out).all()) for out in drive("cpu", torch.float32, mrope, "torch", False))
+    assert all(bool(torch.isfinite(out).all()) for out in drive("cpu", torch.float32, ROPES[rope], "torch", False))
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_every_rotation_reads_the_caches_one_layout(rope, monkeypatch):
+    """The cache keeps `mrope_section` as one RotaryLayout (1D included) and hands exactly that object to every
+    rotation: the incoming queries and keys (attention, update) and the step of every class block."""
+    import hermes.policies.h2svc.attention as attention_module
+    import hermes.policies.h2svc.cache as cache_module
+    seen = []
+
+    def spy(real, index):
+        def wrapped(*args, **kwargs):
+            seen.append(args[index])
+            return real(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(attention_module, "apply_rotary_delta", spy(attention_module.apply_rotary_delta, 3))
+    monkeypatch.setattr(cache_module, "apply_rotary_delta", spy(cache_module.apply_rotary_delta, 3))
+    monkeypatch.setattr(hk, "h2svc_step", spy(hk.h2svc_step, 7))
+    drive("cpu", torch.float32, ROPES[rope], "torch", False)
+    layout = RotaryLayout.of(ROPES[rope], D // 2)
+    assert seen and all(s == layout for s in seen), {getattr(s, "kind", s) for s in seen}
+    assert sum(isinstance(s, RotaryLayout) for s in seen) == len(seen)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter: CPU tensors never wait")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("mrope", [False, True], ids=["1d", "mrope"])
-def test_no_host_sync_on_cuda(mrope, backend):
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_no_host_sync_on_cuda(rope, backend):
     """Forwards (positions, rotation, class masks, per-class sdpa) and steps of a CUDA cache never wait for the
     device: sync debug mode "error" after a warm-up run that compiles the kernels (for bench/gpu_check.sh)."""
-    drive(DEVICE, torch.float16, mrope, backend, check_syncs=False)
-    outputs = drive(DEVICE, torch.float16, mrope, backend, check_syncs=True)
+    drive(DEVICE, torch.float16, ROPES[rope], backend, check_syncs=False)
+    outputs = drive(DEVICE, torch.float16, ROPES[rope], backend, check_syncs=True)
     assert all(bool(torch.isfinite(out).all()) for out in outputs)

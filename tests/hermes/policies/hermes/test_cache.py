@@ -18,7 +18,8 @@ from hermes.policies.hermes.cache import HermesCache
 from hermes.policies.hermes.guidance import GLOBAL, LOCAL, GuidancePlan, guidance_prompts
 from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 from hermes_kernels.policies.hermes import reference as ref
-from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, poison_
+from hermes_kernels.rope import RotaryLayout
+from tests.utils import INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, poison_
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -26,11 +27,12 @@ SECTION = [2, 3, 3]
 
 
 def make_cache(L=4, B=2, Hkv=2, D=16, P=3, budget=10, capacity=40, dtype=torch.float32, mrope=False,
-               reindex="eager", preset="llava_ov", max_positions=4096, stack_bounds=(), **overrides):
+               reindex="eager", preset="llava_ov", max_positions=4096, stack_bounds=(), section=SECTION,
+               **overrides):
     cfg = getattr(HermesConfig, preset)(L, budget, P, max_positions=max_positions, reindex=reindex, margin=64,
                                         **overrides)
     cache = HermesCache(cfg, batch_size=B, num_kv_heads=Hkv, head_dim=D, capacity=capacity, dtype=dtype,
-                        inv_freq=inv_freq_for(D, 1e4), mrope_section=SECTION if mrope else None,
+                        inv_freq=inv_freq_for(D, 1e4), mrope_section=section if mrope else None,
                         stack_bounds=stack_bounds)
     for stack in cache._stacks:  # whatever is read before being written shows up as NaN
         poison_(stack.keys)
@@ -166,16 +168,20 @@ def test_truncate_crop_reset():
     assert cache.length == 0 and cache.stats()["steps"] == 0 and cache.data_ptrs() == ptrs
 
 
-@pytest.mark.parametrize("mrope,reindex,dtype,B,P", [
-    (False, "eager", torch.float32, 2, 3), (False, "lazy", torch.float16, 1, 0),
-    (True, "eager", torch.float32, 2, 5), (True, "lazy", torch.bfloat16, 3, 3)])
+@pytest.mark.parametrize("section,reindex,dtype,B,P", [
+    (None, "eager", torch.float32, 2, 3), (None, "lazy", torch.float16, 1, 0),
+    (SECTION, "eager", torch.float32, 2, 5), (SECTION, "lazy", torch.bfloat16, 3, 3),
+    (INTERLEAVED[16], "eager", torch.bfloat16, 2, 3)], ids=["1d-eager", "1d-lazy", "mrope-eager", "mrope-lazy",
+                                                         "interleaved-eager"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_compress_matches_reference_on_the_buffer_views(mrope, reindex, dtype, B, P, backend):
+def test_compress_matches_reference_on_the_buffer_views(section, reindex, dtype, B, P, backend):
     """`HermesCache.compress` hands strided views of its buffer to hermes_kernels.compress_step (both
     backends; Triton through the interpreter on CPU): the result equals the reference step on contiguous
-    copies, slots past the new length are untouched, storage stays."""
+    copies, slots past the new length are untouched, storage stays. M-RoPE with contiguous (Qwen2.5-VL) and
+    interleaved (Qwen3-VL) sections."""
     g = torch.Generator().manual_seed(5)
-    cache = make_cache(B=B, P=P, dtype=dtype, mrope=mrope, reindex=reindex, preset="qwen2_5_vl")
+    mrope = section is not None
+    cache = make_cache(B=B, P=P, dtype=dtype, mrope=mrope, reindex=reindex, preset="qwen2_5_vl", section=section)
     feed(cache, P, g)
     rel = torch.tensor([[0, 0, 2, 2], [0, 1, 0, 1], [0, 1, 0, 1]]) if mrope else None
     for _ in range(5):
@@ -187,8 +193,7 @@ def test_compress_matches_reference_on_the_buffer_views(mrope, reindex, dtype, B
     tail = stack.keys[..., N:, :].clone()
     attn = distinct_attention(4, B, N - P, g)
     ptrs = cache.data_ptrs()
-    expected = ref.compress_step(keys, values, positions, attn, cache.cfg, stack.inv_freq,
-                                 SECTION if mrope else None)
+    expected = ref.compress_step(keys, values, positions, attn, cache.cfg, stack.inv_freq, section)
     result = cache.compress(attn, backend=backend)
     assert result.length == expected.length == cache.length == P + 10
     assert torch.equal(result.keep, expected.keep)
@@ -220,12 +225,27 @@ def test_compress_rejects_bad_attention_without_writing():
     cache.compress(good)
 
 
+@pytest.mark.parametrize("section, kind", [(None, "1d"), (SECTION, "sections"), (INTERLEAVED[16], "interleaved")])
+def test_the_cache_keeps_one_rotary_layout(section, kind):
+    """`mrope_section` is stored as the RotaryLayout of D/2 pairs, 1D included; `mrope` (three position axes) is
+    what the layout says, not whether a section was given."""
+    cache = make_cache(mrope=section is not None, section=section)
+    assert isinstance(cache.mrope_section, RotaryLayout) and cache.mrope_section.kind == kind
+    assert cache.mrope_section.pairs == 8 and cache.mrope is (kind != "1d")
+    assert cache._stacks[0].positions.dim() == (4 if cache.mrope else 3)
+    assert cache.default_position_ids(5).shape == ((3, 2, 5) if cache.mrope else (2, 5))
+    one_d = HermesCache(HermesConfig.llava_ov(4, 10, 3), batch_size=1, num_kv_heads=2, head_dim=16, capacity=40,
+                        dtype=torch.float32, inv_freq=inv_freq_for(16), mrope_section=RotaryLayout.one_d(8))
+    assert not one_d.mrope and one_d.mrope_section == RotaryLayout.one_d(8)
+
+
 def test_construction_errors():
     cfg = HermesConfig.llava_ov(4, 10, 3)
     args = dict(batch_size=1, num_kv_heads=2, head_dim=16, capacity=40, dtype=torch.float32,
                 inv_freq=inv_freq_for(16))
     for change, match in (({"capacity": 13}, "capacity"), ({"head_dim": 15}, "head_dim"),
                           ({"inv_freq": inv_freq_for(8)}, "inv_freq"), ({"mrope_section": [2, 2, 2]}, "mrope"),
+                          ({"mrope_section": INTERLEAVED[8]}, "mrope_section"),
                           ({"layer_devices": ["cpu"] * 3}, "layer_devices"), ({"batch_size": 0}, "batch_size"),
                           ({"stack_bounds": [0]}, "stack_bounds"), ({"stack_bounds": [4]}, "stack_bounds"),
                           ({"stack_bounds": [3, 1]}, "stack_bounds"), ({"stack_bounds": [2, 2]}, "stack_bounds"),

@@ -29,6 +29,12 @@ def test_qwen2_5_vl_preset():
     assert H2SVCConfig.qwen2_5_vl(2, 2, 0, tokens_per_frame=64).tokens_per_frame == 64
 
 
+def test_qwen3_vl_preset():
+    cfg = H2SVCConfig.preset("qwen3_vl", 36, 8, 20)
+    assert (cfg.tokens_per_frame, cfg.max_positions, cfg.windows) == (196, 262144, (4, 16, 64))
+    assert cfg == H2SVCConfig.qwen2_5_vl(36, 8, 20, max_positions=262144)
+
+
 @pytest.mark.parametrize("H, ratios, expected", [
     (1, (0.1, 0.4), (0, 1, 0)),      # floor(0.6) = 0, floor(1.0) - 0 = 1
     (5, (0.1, 0.4), (1, 2, 2)),      # floor(1.0) = 1, floor(3.0) - 1 = 2

@@ -14,8 +14,9 @@ import torch
 
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig, default_head_map
 from hermes_kernels.policies.h2svc import reference as ref
+from hermes_kernels.rope import RotaryLayout
 from tests.hermes_kernels.test_rope import hf_rotate, hf_rotate_mrope
-from tests.utils import assert_close_verbose, inv_freq_for, same_bytes
+from tests.utils import INTERLEAVED, assert_close_verbose, inv_freq_for, same_bytes
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -502,35 +503,42 @@ def make_block(cfg, cls, H_c, B, D, held, F, first, dtype, g, mrope=False, start
 
 
 def rotate_like_the_model(raw, positions, inv_freq, section, theta):
-    """keys [H_c, B, C, D] = transformers' RoPE of raw at positions (Qwen2 1D, or Qwen2.5-VL M-RoPE)."""
+    """keys [H_c, B, C, D] = transformers' RoPE of raw at positions: Qwen2's 1D (section None), Qwen2.5-VL's M-RoPE
+    (contiguous pair counts) or Qwen3-VL's (an interleaved RotaryLayout), each through the family's own module."""
+    interleaved = isinstance(section, RotaryLayout) and section.kind == "interleaved"
+    family, counts = ("qwen3_vl", section.counts) if interleaved else ("qwen2_5_vl", section)
     out = torch.empty_like(raw)
     for r in range(raw.shape[0]):
         for b in range(raw.shape[1]):
             if section is None:
                 out[r, b] = hf_rotate(raw[r, b][None], positions[r, b], inv_freq)[0].to(raw.dtype)
             else:
-                out[r, b] = hf_rotate_mrope(raw[r, b][None], positions[r, b], section, theta)[0].to(raw.dtype)
+                out[r, b] = hf_rotate_mrope(raw[r, b][None], positions[r, b], counts, theta, family)[0].to(raw.dtype)
     return out
 
 
-STEP_CASES = [  # cls, W (instant, short, episodic), held, F, mrope
-    (INSTANT, (3, 6, 6), 3, 2, False), (SHORT, (3, 6, 6), 4, 5, True), (EPISODIC, (3, 6, 6), 6, 4, False),
-    (EPISODIC, (3, 6, 5), 2, 6, True), (EPISODIC, (3, 6, 4), 0, 7, False), (SHORT, (3, 5, 6), 0, 2, False),
-    (INSTANT, (2, 5, 6), 2, 1, True),
+# a case's rotary layout at D = 16: 1D, Qwen2.5-VL's contiguous sections, Qwen3-VL's interleaved ones
+ROPES = {"1d": None, "sections": [2, 3, 3], "interleaved": INTERLEAVED[16]}
+STEP_CASES = [  # cls, W (instant, short, episodic), held, F, rope
+    (INSTANT, (3, 6, 6), 3, 2, "1d"), (SHORT, (3, 6, 6), 4, 5, "sections"), (EPISODIC, (3, 6, 6), 6, 4, "1d"),
+    (EPISODIC, (3, 6, 5), 2, 6, "sections"), (EPISODIC, (3, 6, 4), 0, 7, "1d"), (SHORT, (3, 5, 6), 0, 2, "1d"),
+    (INSTANT, (2, 5, 6), 2, 1, "sections"), (SHORT, (3, 6, 6), 4, 5, "interleaved"),
+    (EPISODIC, (3, 6, 5), 2, 6, "interleaved"), (INSTANT, (2, 5, 6), 2, 1, "interleaved"),
 ]
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
-@pytest.mark.parametrize("cls, W, held, F, mrope", STEP_CASES)
+@pytest.mark.parametrize("cls, W, held, F, rope", STEP_CASES)
 @pytest.mark.parametrize("reindex", [False, True])
-def test_step_plan_and_reindex(cls, W, held, F, mrope, reindex, dtype):
+def test_step_plan_and_reindex(cls, W, held, F, rope, reindex, dtype):
     """Properties of one step on random blocks: kept set = FIFO / STCE of the chunk; kept home frames stay; freed
     slots take the overflow frames ascending in arrival order; every token's K, V and position travels with it;
     re-indexing: prefix untouched, per-axis dense ranks in the old order, newest coordinate at R − 1 in every row,
     keys = transformers' RoPE at the new positions."""
-    g = torch.Generator().manual_seed(zlib.crc32(repr((cls, W, held, F, mrope, reindex, dtype)).encode()))
+    g = torch.Generator().manual_seed(zlib.crc32(repr((cls, W, held, F, rope, reindex, dtype)).encode()))
     P, T_f, D = 2, 3, 16
-    section = [2, 3, 3] if mrope else None
+    section = ROPES[rope]
+    mrope = section is not None
     cfg = small_cfg(P=P, T_f=T_f, W=W, reindex="eager")
     H_c, B, first = 3, 2, 20
     block = make_block(cfg, cls, H_c, B, D, held, F, first, dtype, g, mrope)
@@ -623,13 +631,14 @@ def test_reindex_1d_by_hand():
     assert_close_verbose(keys[:, :, :6], expected, 1e-9, 1e-9, "keys")
 
 
-def test_reindex_mrope_by_hand():
+@pytest.mark.parametrize("section", [[2, 3, 3], INTERLEAVED[16]], ids=["sections", "interleaved"])
+def test_reindex_mrope_by_hand(section):
     """short W = 3, P = 1, T_f = 2 (a 1×2 grid, Qwen2.5-VL style: h, w repeat in every frame): t = 5, 9, 12,
     h = 5, w = 5, 6. Distinct counts t 3, h 1, w 2 -> E = 3 (not the 6 tokens); R = 20: new = 17 + rank per axis,
-    so t ends at 19 = R - 1, h is 17 everywhere, w takes 17, 18."""
+    so t ends at 19 = R - 1, h is 17 everywhere, w takes 17, 18. Keys against the family's own RoPE (Qwen2.5-VL's
+    contiguous sections, Qwen3-VL's interleaved ones)."""
     cfg = small_cfg(P=1, T_f=2, W=(2, 3, 4))
     D = 16
-    section = [2, 3, 3]
     positions = torch.tensor([[[[0, 5, 5, 9, 9, 12, 12],
                                 [0, 5, 5, 5, 5, 5, 5],
                                 [0, 5, 6, 5, 6, 5, 6]]]])
@@ -697,6 +706,9 @@ BAD_STEP = [  # (name, change(args) -> args, exception, the argument the message
     ("inv_freq size", lambda a: _swap(a, inv_freq=inv_freq_for(16)), ValueError, "inv_freq"),
     ("mrope_section sum", lambda a: _swap(a, mrope_section=[1, 1, 1], positions=torch.zeros(
         2, 2, 3, a["keys"].shape[2], dtype=torch.int64)), ValueError, "mrope_section"),
+    ("interleaved pairs", lambda a: _swap(a, mrope_section=INTERLEAVED[16], positions=torch.zeros(
+        2, 2, 3, a["keys"].shape[2], dtype=torch.int64)), ValueError, "mrope_section"),
+    ("interleaved without 3 axes", lambda a: _swap(a, mrope_section=INTERLEAVED[8]), ValueError, "positions"),
     ("held above W", lambda a: _swap(a, held=5), ValueError, "held"),
     ("held negative", lambda a: _swap(a, held=-1), ValueError, "held"),
     ("held not int", lambda a: _swap(a, held=3.0), TypeError, "held"),

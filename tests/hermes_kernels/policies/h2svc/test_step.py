@@ -24,18 +24,20 @@ from hermes_kernels.policies.h2svc import step as step_kernels
 from hermes_kernels.rows import dense_rank
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes_kernels.policies.h2svc import reference as ref
-from hermes_kernels.rope import apply_rotary_delta
+from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 from tests.utils import DEVICE, TORCH_OPS
-from tests.utils import TOL, assert_close_verbose, inv_freq_for, require_c_library, same_bytes
+from tests.utils import INTERLEAVED, TOL, assert_close_verbose, inv_freq_for, require_c_library, same_bytes
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 MARGIN = 1e-3
 SPARE = 3  # buffer slots past C in "view" layouts, NaN / poison, checked untouched
 POSITION_POISON = -(2 ** 40)
-# D = 8 and 12: rows of 16 and 48 bytes, not whole 32-byte vectors (the C walk must not stream-store them)
+# (D, mrope_section): 1D, contiguous sections (Qwen2.5-VL) and interleaved ones (Qwen3-VL, "il"); D = 8 and 12:
+# rows of 16 and 48 bytes, not whole 32-byte vectors (the C walk must not stream-store them)
 ROPES = {"1d": (16, None), "mrope": (16, (2, 3, 3)), "mrope128": (128, (16, 24, 24)), "1d-d8": (8, None),
-         "mrope-d12": (12, (2, 2, 2))}
+         "mrope-d12": (12, (2, 2, 2)), "il": (16, INTERLEAVED[16]), "il128": (128, INTERLEAVED[128]),
+         "il-d12": (12, INTERLEAVED[12]), "il-d8": (8, INTERLEAVED[8])}
 # 2 layers x 3 KV heads: 1 instant, 2 short, 3 episodic rows (default depth map); windows 2 / 3 / 4 frames
 CONFIG = dict(num_layers=2, num_kv_heads=3, prefix_len=3, tokens_per_frame=4, instant_frames=2, short_frames=3,
               episodic_frames=4)
@@ -81,6 +83,15 @@ CASES = [
     Case(SHORT, 3, 2, "mrope-d12", False, F32, "contiguous"),
     Case(SHORT, 2, 2, "1d-d8", True, BF16, "view"),
     Case(EPISODIC, 3, 2, "mrope-d12", True, F32, "contiguous"),
+    # interleaved M-RoPE (Qwen3-VL): every class, re-indexing on and off, odd row sizes
+    Case(EPISODIC, 4, 6, "il", True, BF16, "contiguous"),
+    Case(EPISODIC, 3, 5, "il128", True, F16, "view"),
+    Case(EPISODIC, 0, 1, "il", True, F64, "contiguous"),
+    Case(SHORT, 0, 3, "il", True, F32, "view"),
+    Case(SHORT, 3, 1, "il128", False, BF16, "view"),
+    Case(SHORT, 2, 2, "il-d8", True, BF16, "contiguous"),
+    Case(INSTANT, 2, 5, "il-d12", True, F32, "contiguous"),
+    Case(INSTANT, 2, 1, "il128", True, F32, "view"),
 ]
 
 
@@ -188,7 +199,7 @@ def make_block(cfg: H2SVCConfig, case: Case, seed: int) -> Block:
 def step_args(cfg: H2SVCConfig, case: Case, block: Block) -> tuple[tuple, dict]:
     D, section = ROPES[case.rope]
     args = (block.keys, block.values, block.positions, block.slot_frames, cfg, case.cls,
-            inv_freq_for(D, device=DEVICE), None if section is None else list(section))
+            inv_freq_for(D, device=DEVICE), section)
     kwargs = dict(held=case.held, num_frames=case.chunk, first_frame=block.first_frame, reindex=case.reindex,
                   next_position=block.next_position, features=block.features)
     return args, kwargs
@@ -327,6 +338,7 @@ TILED_CASES = [
     Case(EPISODIC, 4, 2, "1d", True, F32, "view"),
     Case(SHORT, 3, 2, "mrope", False, BF16, "contiguous"),
     Case(INSTANT, 2, 5, "mrope", True, F16, "view"),
+    Case(EPISODIC, 3, 2, "il", True, BF16, "contiguous"),
 ]
 
 
@@ -401,6 +413,8 @@ def test_bad_input_raises_before_writing(backend):
         call(ValueError, "cls", (5, 3)),
         call(ValueError, "inv_freq", (6, inv_freq[:-1])),
         call(ValueError, "mrope_section", (7, [2, 3, 4])),
+        call(ValueError, "mrope_section", (7, INTERLEAVED[8])),
+        call(ValueError, "positions", (7, RotaryLayout.one_d(8))),
         call(ValueError, "held", held=5),
         call(ValueError, "num_frames", num_frames=0),
         call(ValueError, "keys", num_frames=3),  # the block has room for held + 2 frames only

@@ -20,10 +20,10 @@ from hermes_kernels.policies.hermes import compaction as compact_module
 from hermes_kernels.policies.hermes import compaction_triton
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
-from hermes_kernels.rope import mrope_axis_of_freq, rotary_cos_sin
+from hermes_kernels.rope import RotaryLayout, rotary_cos_sin
 from tests.utils import DEVICE, TORCH_OPS
-from tests.utils import (TOL, assert_close_verbose, distinct_attention, inv_freq_for, require_c_library,
-                         synthetic_positions)
+from tests.utils import (INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, require_c_library,
+                         rope_id, synthetic_positions)
 
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
@@ -42,16 +42,15 @@ class Case:
     V: int
     budget: int
     dtype: torch.dtype
-    section: tuple[int, int, int] | None
+    section: tuple[int, int, int] | RotaryLayout | None  # 1D, contiguous pair counts, or a layout (interleaved)
     mode: str  # "eager", "lazy-below" (positions far from the limit), "lazy-above" (past max_positions - margin)
     summary: bool
     layout: str  # "view": buffer[..., :N, :] of a larger poisoned buffer; "contiguous"
 
     @property
     def id(self) -> str:
-        rope = "1d" if self.section is None else "mrope" + "-".join(map(str, self.section))
         return (f"{self.preset}-L{self.L}B{self.B}Hkv{self.Hkv}D{self.D}P{self.P}V{self.V}b{self.budget}-"
-                f"{str(self.dtype)[6:]}-{rope}-{self.mode}-s{int(self.summary)}-{self.layout}")
+                f"{str(self.dtype)[6:]}-{rope_id(self.section)}-{self.mode}-s{int(self.summary)}-{self.layout}")
 
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -78,6 +77,13 @@ CASES = [
     Case("qwen2_5_vl", 5, 3, 1, 128, 14, 41, 19, F16, (16, 24, 24), "lazy-below", False, "view"),
     Case("paper", 4, 2, 1, 16, 14, 30, 7, BF16, (2, 3, 3), "lazy-above", True, "contiguous"),
     Case("qwen2_5_vl", 4, 1, 3, 128, 0, 35, 13, F32, (16, 24, 24), "lazy-above", True, "view"),
+    # interleaved M-RoPE (Qwen3-VL): the 8B layout and small ones, odd row sizes (48 and 16 bytes) included
+    Case("qwen3_vl", 4, 2, 3, 16, 14, 33, 10, F32, INTERLEAVED[16], "eager", True, "view"),
+    Case("qwen3_vl", 5, 3, 1, 128, 14, 41, 19, F16, INTERLEAVED[128], "lazy-above", True, "view"),
+    Case("qwen3_vl", 4, 1, 3, 128, 0, 35, 13, BF16, INTERLEAVED[128], "eager", True, "contiguous"),
+    Case("qwen3_vl", 4, 1, 2, 12, 3, 27, 10, F32, INTERLEAVED[12], "lazy-above", True, "contiguous"),
+    Case("qwen3_vl", 4, 2, 2, 8, 3, 29, 11, BF16, INTERLEAVED[8], "eager", True, "view"),
+    Case("qwen3_vl", 4, 1, 3, 16, 0, 26, 26, F64, INTERLEAVED[16], "lazy-above", True, "view"),
 ]
 
 
@@ -129,8 +135,7 @@ def setup_case(case: Case, seed: int, positions: torch.Tensor | None = None, cfg
     attn = distinct_attention(case.L, case.B, case.V, g, device=DEVICE)
     keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)
     inv_freq = inv_freq_for(case.D, device=DEVICE)
-    section = None if case.section is None else list(case.section)
-    return cfg, keys, values, positions, buffers, attn, keep, inv_freq, section
+    return cfg, keys, values, positions, buffers, attn, keep, inv_freq, case.section
 
 
 def assert_compacted_like(case: Case, got, expected, length: int, keep: torch.Tensor, compacted: bool,
@@ -258,6 +263,10 @@ def test_bad_input_raises_before_writing(backend):
         (TypeError, "positions", (keys, values, positions.float(), keep, cfg, inv_freq, [2, 3, 3])),
         (ValueError, "positions", (keys, values, positions, keep, cfg, inv_freq, None)),
         (ValueError, "mrope_section", (keys, values, positions, keep, cfg, inv_freq, [2, 3, 4])),
+        (ValueError, "mrope_section", (keys, values, positions, keep, cfg, inv_freq, INTERLEAVED[8])),
+        (ValueError, "positions", (keys, values, positions, keep, cfg, inv_freq, RotaryLayout.one_d(8))),
+        (ValueError, "positions", (keys, values, positions[:, :, 0], keep, cfg, inv_freq, INTERLEAVED[16])),
+        (TypeError, "mrope_section", (keys, values, positions, keep, cfg, inv_freq, "t, h, w")),
         (ValueError, "inv_freq", (keys, values, positions, keep, cfg, inv_freq[:-1], [2, 3, 3])),
         (TypeError, "values", (keys, values.half(), positions, keep, cfg, inv_freq, [2, 3, 3])),
     ]
@@ -277,6 +286,8 @@ SPLIT_CASES = [
     (Case("qwen2_5_vl", 4, 1, 2, 16, 2, 25, 9, BF16, (2, 3, 3), "lazy-above", True, "view"), ((0, 3), (3, 4)), True),
     (Case("paper", 4, 2, 1, 64, 14, 21, 8, F32, None, "eager", True, "contiguous"), ((0, 1), (1, 4)), False),
     (Case("qwen2_5_vl", 4, 2, 1, 16, 0, 19, 7, F32, (2, 3, 3), "lazy-below", False, "view"), ((0, 2), (2, 4)), False),
+    (Case("qwen3_vl", 4, 1, 2, 16, 2, 25, 9, BF16, INTERLEAVED[16], "lazy-above", True, "view"), ((0, 3), (3, 4)),
+     True),
 ]
 
 
@@ -436,6 +447,8 @@ NATIVE_CASES = [
     Case("paper", 3, 1, 1, 64, 0, 27, 9, F32, None, "lazy-below", False, "view"),
     Case("llava_ov", 4, 2, 2, 128, 14, 41, 17, BF16, None, "eager", True, "view"),
     Case("qwen2_5_vl", 4, 1, 3, 128, 3, 37, 12, BF16, (16, 24, 24), "eager", True, "contiguous"),
+    Case("qwen3_vl", 4, 2, 3, 16, 3, 33, 10, F32, INTERLEAVED[16], "lazy-above", True, "contiguous"),
+    Case("qwen3_vl", 4, 1, 3, 128, 3, 37, 12, BF16, INTERLEAVED[128], "eager", True, "view"),
 ]
 
 
@@ -545,11 +558,12 @@ def test_counting_dense_rank_equals_the_sorting_one(spread, mask, in_c, monkeypa
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-@pytest.mark.parametrize("section", [None, (2, 3, 3)])
+@pytest.mark.parametrize("section", [None, (2, 3, 3), INTERLEAVED[16]], ids=rope_id)
 def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     """Bit-exact check of the C walk's arithmetic: with arbitrary cos/sin tables (no transcendental functions
     involved), every kept key equals torch's fp32 x1·c − x2·s, x2·c + x1·s rounded to the cache dtype — each
-    product and sum rounded once, to nearest even — with each M-RoPE section's pairs from its own axis's row."""
+    product and sum rounded once, to nearest even — with each frequency pair from its own axis's row (the
+    layout's axis map: contiguous or interleaved M-RoPE sections)."""
     require_c_library("compact_cpu")
     D = 16 if section else 64
     case = Case("paper", 3, 2, 2, D, 4, 29, 13, dtype, section, "eager", False, "view")
@@ -572,7 +586,7 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     L, B, Hkv, n, half = case.L, case.B, case.Hkv, keep.shape[-1], D // 2
     A = 1 if section is None else 3
     index = seen["index"].view(L, B, A, n).long()
-    axis = torch.zeros(half, dtype=torch.long) if section is None else mrope_axis_of_freq(section)
+    axis = RotaryLayout.of(section, half).axis_tensor().long()
     pick = axis.view(1, 1, 1, 1, half).expand(L, B, 1, n, half)
     cos = seen["cos"][index].gather(2, pick)  # [L, B, 1, n, half]
     sin = seen["sin"][index].gather(2, pick)

@@ -7,7 +7,8 @@ import hermes_kernels as hk
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
 from tests.utils import DEVICE, TORCH_OPS
-from tests.utils import TOL, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
+from tests.utils import INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, rope_id
+from tests.utils import synthetic_positions
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 
@@ -21,6 +22,9 @@ CASES = [
     (4, 2, 1, 16, 0, 9, 12, torch.float32, [2, 3, 3], "eager", True, True, "qwen2_5_vl"),
     (5, 2, 2, 64, 14, 33, 13, torch.bfloat16, None, "eager", True, False, "llava_ov"),
     (4, 1, 3, 64, 3, 30, 30, torch.float32, None, "lazy", False, True, "paper"),
+    (5, 2, 2, 16, 3, 29, 11, torch.bfloat16, INTERLEAVED[16], "eager", True, True, "qwen3_vl"),
+    (4, 1, 2, 128, 14, 45, 23, torch.float16, INTERLEAVED[128], "lazy", True, True, "qwen3_vl"),
+    (4, 2, 1, 8, 0, 21, 9, torch.float32, INTERLEAVED[8], "eager", False, True, "qwen3_vl"),
 ]
 
 
@@ -60,13 +64,13 @@ def run_case(case, backend, seed, start=0, max_positions=None):
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}B{c[1]}Hkv{c[2]}D{c[3]}P{c[4]}V{c[5]}b{c[6]}"
-                         f"-{str(c[7])[6:]}-{'mrope' if c[8] else '1d'}-{c[9]}-c{int(c[10])}s{int(c[11])}")
+                         f"-{str(c[7])[6:]}-{rope_id(c[8])}-{c[9]}-c{int(c[10])}s{int(c[11])}")
 def test_matches_reference(case, backend):
     run_case(case, backend, seed=hash(case[:7]) % 1000)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-@pytest.mark.parametrize("section", [None, [2, 3, 3]])
+@pytest.mark.parametrize("section", [None, [2, 3, 3], INTERLEAVED[16]], ids=rope_id)
 def test_lazy_threshold_crossed(backend, section):
     case = (4, 2, 1, 16, 3, 25, 10, torch.float32, section, "lazy", True, True, "qwen2_5_vl")
     assert not run_case(case, backend, seed=5, start=100, max_positions=1000).compacted
@@ -111,8 +115,10 @@ def test_auto_backend_follows_the_device():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real model shapes are checked on a GPU only (CPU: interpreter)")
-@pytest.mark.parametrize("preset, section", [("llava_ov", None), ("qwen2_5_vl", [16, 24, 24])])
-def test_real_shape_on_gpu(preset, section):
-    """LLaVA-OV-7B / Qwen2.5-VL-7B: 28 layers, 4 KV heads, D 128, prefix 14, budget 6000, a 3136-token chunk."""
-    case = (28, 1, 4, 128, 14, 6000 + 3136, 6000, torch.float16, section, "eager", True, True, preset)
+@pytest.mark.parametrize("preset, L, Hkv, section", [("llava_ov", 28, 4, None), ("qwen2_5_vl", 28, 4, [16, 24, 24]),
+                                                     ("qwen3_vl", 36, 8, INTERLEAVED[128])], ids=lambda x: str(x))
+def test_real_shape_on_gpu(preset, L, Hkv, section):
+    """LLaVA-OV-7B / Qwen2.5-VL-7B (28 layers, 4 KV heads) and Qwen3-VL-8B (36 layers, 8 KV heads): D 128, prefix
+    14, budget 6000, a 3136-token chunk."""
+    case = (L, 1, Hkv, 128, 14, 6000 + 3136, 6000, torch.float16, section, "eager", True, True, preset)
     run_case(case, "triton", seed=0)

@@ -31,6 +31,15 @@ def test_qwen_and_paper_presets():
     assert no_summary.layer_budget_list == [6000] * 28
 
 
+def test_qwen3_vl_preset_is_qwen2_5_vl_at_qwen3_vl_8b():
+    """Qwen3-VL-8B: 36 layers, 262144 positions; the paper gives no constants of its own (docs/hermes.md §5 item 12),
+    so everything else is the Qwen2.5-VL preset's, and the layer split follows from the depth fractions."""
+    qwen3 = HermesConfig.preset("qwen3_vl", 36, 4000, 14)
+    assert qwen3.max_positions == 262144
+    assert qwen3 == HermesConfig.qwen2_5_vl(36, 4000, 14, max_positions=262144)
+    assert qwen3.roles() == ["shallow"] * 3 + ["mid"] * 22 + ["deep"] * 11
+
+
 def test_device_copies_are_memoised():
     cfg = HermesConfig.llava_ov(4, 10, 2)
     assert cfg.on("cpu") is cfg.on("cpu")

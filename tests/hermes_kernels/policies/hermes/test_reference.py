@@ -7,7 +7,7 @@ import torch
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import apply_rotary_delta
-from tests.utils import assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
+from tests.utils import INTERLEAVED, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -225,17 +225,21 @@ def test_mrope_compaction_ranks_each_axis():
                 assert positions[layer, b, :, P + n].tolist() == [top + 1] * 3
 
 
-def test_mrope_kept_keys_rotate_per_axis_section():
-    P, budget, D, section = 2, 5, 16, [2, 3, 3]
+@pytest.mark.parametrize("section, axis", [
+    ([2, 3, 3], [0, 0, 1, 1, 1, 2, 2, 2]),  # contiguous: pairs 0-1 follow t, 2-4 h, 5-7 w
+    (INTERLEAVED[16], [0, 1, 2, 0, 1, 2, 0, 0]),  # interleaved (4, 2, 2): t, h, w, t, h, w, then t
+], ids=["sections", "interleaved"])
+def test_mrope_kept_keys_rotate_per_axis_section(section, axis):
+    P, budget, D = 2, 5, 16
     cfg = config(budget=budget, P=P, reindex="eager", summary=False)
     keys, values, positions, attn = make_cache(4, 1, 2, P + 9, D, P, mrope=True, seed=13, start=40)
     k0, p0 = keys.clone(), positions.clone()
     inv_freq = inv_freq_for(D)
     result = ref.compress_step(keys, values, positions, attn, cfg, inv_freq, section)
     kept = result.keep[1, 0]
-    # independent per-section rotation: frequency pairs 0-1 follow t, 2-4 h, 5-7 w
+    # independent per-pair rotation, each pair by the delta of the axis written out above
     delta = positions[1, 0, :, P:P + budget] - p0[1, 0, :, P + kept]
-    axis = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
+    axis = torch.tensor(axis)
     angle = delta.T[:, axis].double() * inv_freq.double()
     x = k0[1, 0][:, P + kept].double()
     x1, x2 = x[..., :8], x[..., 8:]
@@ -276,6 +280,10 @@ def bad_calls():
         ("1D positions with mrope", with_(mrope_section=[1, 3, 4]), ValueError, "positions"),
         ("mrope sum", lambda a: a | dict(positions=torch.zeros(4, 2, 3, 12, dtype=torch.int64),
                                          mrope_section=[1, 1, 1]), ValueError, "mrope_section"),
+        ("1D positions with interleaved", with_(mrope_section=INTERLEAVED[16]), ValueError, "positions"),
+        ("interleaved pairs", lambda a: a | dict(positions=torch.zeros(4, 2, 3, 12, dtype=torch.int64),
+                                                 mrope_section=INTERLEAVED[8]), ValueError, "mrope_section"),
+        ("mrope_section type", with_(mrope_section=4), TypeError, "mrope_section"),
         ("cfg type", with_(cfg={"budget": 4}), TypeError, "cfg"),
         ("layers vs cfg", lambda a: a | dict(cfg=config(L=5, budget=5, P=3)), ValueError, "keys"),
         ("no visual tokens", lambda a: a | dict(cfg=config(budget=5, P=12)), ValueError, "keys"),

@@ -1,0 +1,271 @@
+"""Qwen3-VL (interleaved M-RoPE, text timestamps between frames, DeepStack; docs/qwen3_vl.md).
+
+What differs from Qwen2.5-VL (`hermes.models.qwen2_5_vl`):
+- Rotary layout: the (t, h, w) axes interleave pair by pair (`RotaryLayout.interleaved(mrope_section)`, as the
+  rotary module's `recomposition_frequencies`), not contiguous sections.
+- Layout of a video: every temporal grid step is its own run of tokens
+      <t seconds> <|vision_start|> h' x w' visual tokens <|vision_end|>
+  (Qwen3VLProcessor's placeholder). Positions follow transformers' `Qwen3VLModel.get_rope_index`, which splits the
+  grid per temporal step: text tokens count on from the run's start on all three axes; the step's visual tokens
+  take t = c, h = c + row, w = c + column, c being the position after `<|vision_start|>`; `<|vision_end|>` comes at
+  c + max(h', w'). The t axis no longer follows the clock: time is in the text. A chunk starts at the layer's
+  largest position + 1, which is where get_rope_index puts whatever follows a segment, so a streamed chunk has the
+  positions of the same frames in one full forward (tests/hermes/models/test_qwen3_vl.py).
+- DeepStack: the vision tower's intermediate features (one set per `deepstack_visual_indexes` entry) are added
+  to the hidden states of the first decoder layers at the visual positions. The chunk carries them
+  (`VideoChunk.lm_kwargs`: `visual_pos_masks`, `deepstack_visual_embeds`), so every forward over a chunk adds them
+  inside that forward, as the model's own forward does.
+
+Timestamps belong to their frame (ours). The H2SVC frame (the unit of memory, docs/h2svc.md §1) is the whole run
+of one temporal step: its timestamp, the two markers and its visual tokens, evicted together, so the memory never
+holds a timestamp without its frame. H2SVC needs every run of a stream to have one length (`tokens_per_frame`),
+and a plain "<12.5 seconds>" grows by a token at 10 s, 100 s, ... with Qwen's digit-by-digit tokenizer. So the
+seconds are written with TIMESTAMP_DIGITS integer digits, zero-padded ("<00012.5 seconds>"): the same number, a
+constant token count, one text for both policies (and for the H2SVC profiler). The value is Qwen3VLProcessor's:
+the mean time of the temporal step's first and last frame, one decimal.
+
+Video frames go through transformers' `Qwen3VLVideoProcessor`, or without torchvision through
+`Qwen3VLPilVideoProcessor`, which returns the same layout. Its resize sizes a clip as a whole (the pixel budget
+is per clip); `prepare_frames` asks for the per-frame cap (`cap_pixels_per_frame=True`, qwen-vl-utils' rule), so
+the frame size does not depend on a chunk's frame count while the cap binds.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+from transformers.image_processing_backends import PilBackend
+from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, PILImageResampling, SizeDict
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+from hermes_kernels.rope import RotaryLayout
+
+from . import ModelFamily, VideoChunk, check_pixels
+from .processing import PilVideoProcessor
+from .qwen2_5_vl import Qwen2_5_VL, patchify
+
+TIMESTAMP_DIGITS = 5  # integer digits of a frame's timestamp: runs keep one length up to 99999.9 s (27.7 h)
+
+
+def timestamp_text(seconds: float) -> str:
+    """The text in front of a temporal step's tokens: Qwen3VLProcessor's "<{t:.1f} seconds>" with the integer part
+    zero-padded to TIMESTAMP_DIGITS digits (module docstring). ValueError outside [0, 10^TIMESTAMP_DIGITS) s."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds) or \
+            not 0 <= round(seconds, 1) < 10 ** TIMESTAMP_DIGITS:
+        raise ValueError(f"timestamps: expected seconds in [0, {10 ** TIMESTAMP_DIGITS}), got {seconds!r}")
+    return f"<{seconds:0{TIMESTAMP_DIGITS + 2}.1f} seconds>"
+
+
+def step_times(count: int, fps: float, start: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal step of `count` frames sampled at `fps` from `start`, as Qwen3VLProcessor computes
+    them (`_calculate_timestamps`): frame times padded with the last one to a multiple of temporal_patch_size,
+    then the mean of each step's first and last frame."""
+    times = [start + i / fps for i in range(count)]
+    times += times[-1:] * (-count % temporal_patch_size)
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+
+
+def chunk_layout(timestamp_ids: Sequence[Sequence[int]], merged: tuple[int, int], *, vision_start: int,
+                 vision_end: int, video_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids int64 [T], offsets int64 [3, T]) of a chunk of temporal steps, from its start position.
+
+    timestamp_ids: the token ids of each step's timestamp; merged: (h', w') visual tokens of a step. Visual slots
+    hold `video_token`. Offsets as get_rope_index lays them out (module docstring): text counts on from a cursor on
+    every axis; a step's visual tokens sit at (c, c + row, c + column) and move the cursor by max(h', w').
+    """
+    rows, cols = merged
+    grid = torch.stack(torch.meshgrid(torch.zeros(1, dtype=torch.int64), torch.arange(rows), torch.arange(cols),
+                                      indexing="ij")).reshape(3, -1)
+    tokens, pieces, cursor = [], [], 0
+    for stamp in timestamp_ids:
+        text = list(stamp) + [vision_start]
+        tokens += text + [video_token] * (rows * cols) + [vision_end]
+        pieces.append(cursor + torch.arange(len(text)).expand(3, -1))
+        cursor += len(text)
+        pieces.append(cursor + grid)
+        cursor += max(rows, cols)
+        pieces.append(torch.full((3, 1), cursor))
+        cursor += 1
+    return torch.tensor(tokens, dtype=torch.int64), torch.cat(pieces, dim=1)
+
+
+def deepstack_kwargs(count: int, *, visual: torch.Tensor, batch_size: int, features: list[torch.Tensor]) -> dict:
+    """The language model's DeepStack arguments for a forward of `count` tokens whose first T are the chunk's:
+    visual_pos_masks bool [B, count] (the chunk's visual slots; whatever follows is text) and
+    deepstack_visual_embeds (one [B * visual tokens, hidden] per DeepStack layer, stream-major)."""
+    mask = torch.zeros(batch_size, count, dtype=torch.bool, device=visual.device)
+    mask[:, :visual.numel()] = visual
+    return {"visual_pos_masks": mask, "deepstack_visual_embeds": features}
+
+
+class Qwen3VLPilVideoProcessor(PilVideoProcessor):
+    """Torchvision-free twin of transformers' `Qwen3VLVideoProcessor`: a clip's frames resized together by its
+    `smart_resize` (sides multiples of patch_size * merge_size; the clip's t x h x w pixels within size's
+    shortest_edge and longest_edge, or with cap_pixels_per_frame each frame within max(min(max_video_tokens *
+    factor^2, longest_edge / frames), 1.05 * shortest_edge)), rescaled, normalised and cut by `patchify`. Returns
+    pixel_values_videos float32 [t * h * w, C * T * p * p] and video_grid_thw int64 [clips, 3]."""
+
+    defaults = dict(size={"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
+                    resample=PILImageResampling.BICUBIC, rescale_factor=1 / 255, image_mean=IMAGENET_STANDARD_MEAN,
+                    image_std=IMAGENET_STANDARD_STD, do_resize=True, do_rescale=True, do_normalize=True,
+                    do_convert_rgb=True, do_center_crop=None, patch_size=16, temporal_patch_size=2, merge_size=2,
+                    cap_pixels_per_frame=None, max_video_tokens=768)
+    model_input_names = ("pixel_values_videos", "video_grid_thw")
+    options = ("cap_pixels_per_frame",)
+
+    def resize(self, image, num_frames, cap_pixels_per_frame=None):
+        cap = self.cap_pixels_per_frame if cap_pixels_per_frame is None else cap_pixels_per_frame
+        factor = self.patch_size * self.merge_size
+        max_pixels = self.size.longest_edge
+        if cap:
+            per_frame = max(min(self.max_video_tokens * factor ** 2, self.size.longest_edge // num_frames),
+                            int(self.size.shortest_edge * 1.05))
+            max_pixels = per_frame * num_frames
+        height, width = smart_resize(num_frames, *image.shape[-2:], temporal_factor=self.temporal_patch_size,
+                                     factor=factor, min_pixels=self.size.shortest_edge, max_pixels=max_pixels)
+        # the image processor's own resize applies Qwen2-VL's per-image rule; the clip's size is decided here
+        return PilBackend.resize(self.image_processor, image, SizeDict(height=height, width=width),
+                                 resample=self.resample)
+
+    def layout(self, frames):
+        rows, grid = patchify(frames, self.patch_size, self.merge_size, self.temporal_patch_size)
+        return {"pixel_values_videos": rows, "video_grid_thw": np.array([grid], dtype=np.int64)}
+
+
+class Qwen3_VL(ModelFamily):
+    model_types = ("qwen3_vl",)
+    preset_name = "qwen3_vl"
+
+    def rotary(self, model):
+        rotary = self.language_model(model).rotary_emb
+        return rotary.inv_freq, RotaryLayout.interleaved(rotary.mrope_section)  # h, w, t cycling over pairs
+
+    @staticmethod
+    def _tokenizer(processor):
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if tokenizer is None or not callable(tokenizer):
+            raise TypeError("processor: Qwen3-VL chunks carry text timestamps; pass the model's processor or "
+                            f"tokenizer, got {type(processor).__name__}")
+        return tokenizer
+
+    def _timestamp_ids(self, tokenizer, seconds: float) -> list[int]:
+        return list(tokenizer(timestamp_text(seconds), add_special_tokens=False)["input_ids"])
+
+    def tokens_per_frame(self, model, frame_size=None, tokenizer=None) -> int:
+        """Tokens of one temporal step's run: its timestamp, <|vision_start|>, (height / (patch·merge)) x
+        (width / (patch·merge)) visual tokens, <|vision_end|>."""
+        if frame_size is None:
+            raise ValueError("frame_size: Qwen3-VL's token count depends on the frame size; pass "
+                             "frame_size=(height, width) of the processed frames or chunk_tokens")
+        vision = model.config.vision_config
+        side = vision.patch_size * vision.spatial_merge_size
+        stamp = len(self._timestamp_ids(self._tokenizer(tokenizer), 0.0))
+        return stamp + 2 + (frame_size[0] // side) * (frame_size[1] // side)
+
+    def tokens_per_chunk(self, model, frames, frame_size=None, tokenizer=None) -> int:
+        grid_t = -(-frames // model.config.vision_config.temporal_patch_size)
+        return grid_t * self.tokens_per_frame(model, frame_size, tokenizer)
+
+    def encode_video(self, model, processor, video, batch_size, grid_thw=None, timestamps=None,
+                     **kwargs) -> VideoChunk:
+        """video: flattened patches [B * t * h * w, C * temporal_patch * patch^2] with `grid_thw` (t, h, w) (one row
+        per stream, all equal, or one row for all), as Qwen's video processor returns them; or raw frames (one
+        uint8 [F, H, W, 3] clip per stream) for `processor.video_processor`. timestamps: seconds of each of the t
+        temporal steps (`step_times`), shared by the streams. `processor` (or a tokenizer) writes the timestamps.
+        Returns embeds [B, T, hidden] of the t runs (module docstring), their offsets and DeepStack arguments."""
+        if kwargs:
+            raise TypeError(f"append_video: unexpected arguments for Qwen3-VL: {sorted(kwargs)}")
+        tokenizer = self._tokenizer(processor)
+        vision, config = model.config.vision_config, model.config
+        if not isinstance(video, torch.Tensor) and hasattr(processor, "video_processor"):
+            clips = [video] if isinstance(video, np.ndarray) and video.ndim == 4 else list(video)
+            processed = self._process(processor.video_processor, clips)
+            video, grid_thw = processed["pixel_values_videos"], processed["video_grid_thw"]
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        video = check_pixels("video", video, f"[B * t * h * w, {patch_dim}] with grid_thw")
+        if grid_thw is None:
+            raise ValueError("grid_thw: Qwen3-VL pixel values need their (t, h, w) patch grid")
+        grid = Qwen2_5_VL._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
+        per_stream = grid[0] * grid[1] * grid[2]
+        if video.dim() != 2 or tuple(video.shape) != (batch_size * per_stream, patch_dim):
+            raise ValueError(f"video: expected flattened patches [B*t*h*w={batch_size * per_stream}, {patch_dim}] "
+                             f"for grid_thw {list(grid)} and B={batch_size}, got {tuple(video.shape)}")
+        stamps = self._check_timestamps(timestamps, grid[0])
+        stamp_ids = [self._timestamp_ids(tokenizer, seconds) for seconds in stamps]
+        if len({len(ids) for ids in stamp_ids}) > 1:
+            raise ValueError(f"timestamps: the tokenizer gives the timestamps {stamps} different token counts; every "
+                             "temporal step's run must have one length (docs/qwen3_vl.md)")
+        merge = vision.spatial_merge_size
+        tokens, rel = chunk_layout(stamp_ids, (grid[1] // merge, grid[2] // merge),
+                                   vision_start=config.vision_start_token_id, vision_end=config.vision_end_token_id,
+                                   video_token=config.video_token_id)
+        extent = int(rel.max())  # built on the host: known without a device read
+        visual_tower = model.model.visual
+        grids = torch.tensor([grid] * batch_size, device=visual_tower.device)
+        features = model.model.get_video_features(video.to(device=visual_tower.device, dtype=visual_tower.dtype),
+                                                  grids)
+        embed = self.language_model(model).embed_tokens
+        device, dtype = embed.weight.device, embed.weight.dtype
+        tokens = tokens.to(device)
+        visual = tokens == config.video_token_id
+        # as Qwen3VLModel.forward: token embeddings with the visual slots scattered over, stream-major
+        embeds = embed(tokens).expand(batch_size, -1, -1).masked_scatter(
+            visual[None, :, None], torch.cat(features.pooler_output).to(device=device, dtype=dtype))
+        deepstack = [torch.cat(feature).to(device=device, dtype=dtype) for feature in features.deepstack_features]
+        extra = functools.partial(deepstack_kwargs, visual=visual, batch_size=batch_size, features=deepstack)
+        return VideoChunk(embeds=embeds, rel_positions=rel.to(device), frames=grid[0], extent=extent, extra=extra)
+
+    @staticmethod
+    def _check_timestamps(timestamps, count: int) -> list[float]:
+        if isinstance(timestamps, torch.Tensor):
+            timestamps = timestamps.tolist()
+        try:
+            seconds = [float(s) for s in timestamps]
+        except (TypeError, ValueError):
+            seconds = None
+        if seconds is None or isinstance(timestamps, str) or len(seconds) != count:
+            raise ValueError(f"timestamps: expected the seconds of each of the {count} temporal steps (shared by "
+                             f"the streams), got {timestamps!r}")
+        for value in seconds:
+            timestamp_text(value)  # raises, naming timestamps
+        return seconds
+
+    @staticmethod
+    def _process(video_processor, clips: list) -> dict:
+        """The video processor over clips uint8 [F, H, W, 3], each padded with its last frame to a multiple of
+        temporal_patch_size first (the processor refuses fewer frames than that), the per-frame cap on."""
+        size = video_processor.temporal_patch_size
+        clips = [np.concatenate([clip, np.repeat(clip[-1:], -len(clip) % size, axis=0)]) for clip in clips]
+        return video_processor(videos=clips, return_tensors="pt", do_sample_frames=False, cap_pixels_per_frame=True)
+
+    def pil_video_processor(self, image_processor, config):
+        return Qwen3VLPilVideoProcessor(image_processor, config)
+
+    def prepare_frames(self, processor, frames, fps, start=0.0):
+        """{"video": patches, "grid_thw": [1, 3], "timestamps": seconds of each temporal step} from frames uint8
+        [F, H, W, 3] sampled at `fps` from `start` seconds (`step_times`)."""
+        video_processor = processor.video_processor
+        out = self._process(video_processor, [np.asarray(frames)])
+        return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
+                "timestamps": step_times(len(frames), float(fps), float(start), video_processor.temporal_patch_size)}
+
+    def memory_frames(self, inputs):
+        return int(torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0, 0])  # grid_t
+
+    def frame_size(self, model, inputs):
+        _, grid_h, grid_w = (int(x) for x in torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0])
+        patch = model.config.vision_config.patch_size
+        return grid_h * patch, grid_w * patch
+
+    def prefix_text(self, system_prompt):
+        prompt = self.system_prompt if system_prompt is None else system_prompt
+        return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n"
+
+    def question_text(self, question):
+        return f"{question}<|im_end|>\n<|im_start|>assistant\n"
+
+    def text_kwargs(self, input_ids):
+        return {"mm_token_type_ids": torch.zeros_like(input_ids, dtype=torch.int32)}
