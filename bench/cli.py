@@ -33,7 +33,8 @@ from .report import (Row, append_csv, commit_hash, device_kind, device_name, fil
                      format_table)
 from .inputs import Spec, make_inputs
 from .shapes import BUDGETS, CHUNK_FRAMES, PREFIX_LEN, SHAPES, SMOKE_SHAPES, TOKENS_PER_FRAME, get_shape
-from .stages import BACKENDS, STAGES, Unavailable, cache_bytes, stage_backends, stage_policy
+from .stages import (BACKENDS, RELEASED, RELEASED_FAMILIES, RELEASED_STAGES, STAGES, Unavailable, cache_bytes,
+                     stage_backends, stage_policy)
 from .timing import copy_bandwidth, time_case
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -42,13 +43,17 @@ DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfl
 
 # Defaults per device. CPU: the two 7B shapes (1D RoPE and M-RoPE), both budgets, two chunk sizes, fp32,
 # sized to finish in a few minutes on 2 cores. CUDA: every shape, fp16, more chunk sizes and repeats.
+# The released-style rows (stages released_*) are slow Python: `released_repeats` timed runs, no warm-up besides
+# the memory run; on CPU the guidance pass is left out (its released-style rows take about a minute each).
 DEFAULTS = {
     "cpu": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=list(BUDGETS), chunks=[8, CHUNK_FRAMES],
-                dtypes=["float32"], repeats=10, reference_repeats=5, warmup=2),
+                dtypes=["float32"], repeats=10, reference_repeats=5, warmup=2, released_repeats=1,
+                stages=[s for s in STAGES if s != "released_guidance"]),
     "cuda": dict(shapes=list(SHAPES), budgets=list(BUDGETS), chunks=[4, 8, CHUNK_FRAMES],
-                 dtypes=["float16"], repeats=50, reference_repeats=5, warmup=5),
+                 dtypes=["float16"], repeats=50, reference_repeats=5, warmup=5, released_repeats=5,
+                 stages=list(STAGES)),
     "quick": dict(shapes=list(SMOKE_SHAPES), budgets=[64], chunks=[1], dtypes=None, repeats=3,
-                  reference_repeats=3, warmup=1),
+                  reference_repeats=3, warmup=1, released_repeats=1, stages=list(STAGES)),
 }
 
 
@@ -66,9 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                    help="default: all (triton only on CUDA; torch-ops, the torch backend without its C code, only "
                         "on CPU for compact, step, h2svc_stce and h2svc_step)")
-    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
+    p.add_argument("--stages", nargs="+", choices=list(STAGES),
+                   help="default: all (on CPU without --quick: all but released_guidance)")
     p.add_argument("--repeats", type=int, help="timed runs per point (default 10 CPU, 50 CUDA)")
     p.add_argument("--reference-repeats", type=int, help="timed runs of the reference backend (default 5)")
+    p.add_argument("--released-repeats", type=int,
+                   help="timed runs of the released-style rows of the released_* stages (default 1 CPU, 5 CUDA)")
     p.add_argument("--warmup", type=int, help="untimed runs first (default 2 CPU, 5 CUDA)")
     p.add_argument("--batch", type=int, default=1, help="streams in lockstep, B (default 1)")
     p.add_argument("--reindex", choices=("eager", "lazy"), default="eager",
@@ -89,8 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.dtypes is None:     # --quick keeps the device's dtype
         args.dtypes = ["float16"] if args.device.startswith("cuda") else ["float32"]
-    if min(args.repeats, args.reference_repeats) < 1 or args.warmup < 0:
-        p.error("--repeats/--reference-repeats must be >= 1 and --warmup >= 0")
+    if min(args.repeats, args.reference_repeats, args.released_repeats) < 1 or args.warmup < 0:
+        p.error("--repeats/--reference-repeats/--released-repeats must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -100,6 +108,7 @@ def measure(specs: list[Spec], stages: list[str], backends: tuple[str, ...], arg
     from tqdm.auto import tqdm
 
     jobs = [(spec, stage, backend) for spec in specs for stage in stages if stage_policy(stage) == spec.policy
+            and (stage not in RELEASED_STAGES or released_point(spec, specs))
             for backend in stage_backends(stage, backends)]
     rows = []
     # a bar on a terminal; in a log (CI, gpu_check) one plain line per benchmark point instead
@@ -131,6 +140,8 @@ def measure(specs: list[Spec], stages: list[str], backends: tuple[str, ...], arg
                 row.peak_extra_mib = peak_extra_bytes(case, device) / 2 ** 20
                 warmup = max(warmup - 1, 0)
             repeats = args.reference_repeats if backend == "reference" else args.repeats
+            if backend == RELEASED:     # slow Python: the memory run (if any) is its only warm-up
+                warmup, repeats = 0, args.released_repeats
             timing = time_case(case, device, warmup, repeats)
             row.median_ms, row.p20_ms, row.p80_ms, row.repeats = timing.median, timing.p20, timing.p80, timing.repeats
             row.bytes_moved, row.has_floor = case.bytes_moved, case.has_floor
@@ -144,13 +155,37 @@ def measure(specs: list[Spec], stages: list[str], backends: tuple[str, ...], arg
         bar.update()
     bar.close()
     fill_speedups(rows)
+    fill_released_ratios(rows)
     return rows
+
+
+def released_point(spec: Spec, specs: list[Spec]) -> bool:
+    """The released stages run once per shape and dtype of a family the released code has (LLaVA-OV, Qwen2.5-VL): at
+    the largest budget and chunk of the run."""
+    if spec.shape.preset_name not in RELEASED_FAMILIES:
+        return False
+    same = [s for s in specs if s.policy == "hermes" and s.shape == spec.shape and s.dtype == spec.dtype]
+    return spec.budget == max(s.budget for s in same) and spec.chunk_frames == max(s.chunk_frames for s in same)
+
+
+def fill_released_ratios(rows: list[Row]) -> None:
+    """The released stages' "vs ref": the released-style median over this one, at the same point."""
+    released = {r.point(): r.median_ms for r in rows if r.stage in RELEASED_STAGES and r.backend == RELEASED and r.ok}
+    for r in rows:
+        if r.stage in RELEASED_STAGES:
+            base = released.get(r.point())
+            r.speedup_vs_reference = base / r.median_ms if (r.ok and base) else None
 
 
 def headline(rows: list[Row]) -> list[str]:
     """One line per point: whole-step speed-up of every backend over reference (HERMES and H2SVC steps)."""
     lines = []
+    base = {r.point(): r.median_ms for r in rows if r.stage in RELEASED_STAGES and r.backend == RELEASED and r.ok}
     for r in rows:
+        if r.stage in RELEASED_STAGES and r.backend != RELEASED and r.speedup_vs_reference is not None:
+            lines.append(f"{r.stage} accelerate(backend={r.backend!r}) vs the released-style code: "
+                         f"{r.speedup_vs_reference:.1f}x, {base[r.point()]:.1f} -> {r.median_ms:.1f} ms per chunk "
+                         f"({r.shape} b={r.budget} chunk={r.chunk}f {r.dtype}, N={r.num_tokens})")
         if r.stage in ("step", "h2svc_step") and r.backend != "reference" and r.speedup_vs_reference is not None:
             memory = "h2svc" if r.stage == "h2svc_step" else f"b={r.budget}"
             lines.append(f"{r.stage} speed-up {r.backend} vs reference: {r.speedup_vs_reference:.1f}x "
@@ -227,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     print()
-    print("median/p20/p80: per-run latency over the repeats; vs ref: reference median / this median\n"
+    print("median/p20/p80: per-run latency over the repeats; vs ref: reference median / this median (released_* "
+          "rows: the released-style median / this median)\n"
           "GB/s: least bytes the stage must move / median; x floor (compact, step): median / (least bytes / copy "
           "bandwidth)\npeak MiB: extra memory of one run; pooled_attention rows: one layer's guidance pass "
           "(q40 mixed prompt, q20 global)")

@@ -10,6 +10,11 @@ Two policies: the HERMES stages run on `Inputs` (one stacked cache at a token bu
 `H2SVCInputs` (full per-class frame memories, no budget: their rows carry budget 0). `Spec.policy` says which;
 `bench.inputs.make_inputs` builds the right one.
 
+The released-style stages (`released_step`, `released_guidance`; bench/released.py) run a stand-in of the released
+HERMES classes on the same HERMES inputs, once per shape (the largest budget and chunk of the run): backend "released"
+is the stand-in as it is, "torch" / "triton" the same instance after `hermes_kernels.compat.accelerate`; their
+"vs ref" is the released-style median over this one.
+
 Backends: "reference" is `hermes_kernels.policies.hermes.reference` / `hermes_kernels.policies.h2svc.reference`; "torch"
 and "triton" are `hermes_kernels` with that `backend=`; "torch-ops" (compact, step, h2svc_stce, h2svc_step; CPU) is the
 torch backend with its C code switched off (HERMES_KERNELS_NATIVE=0), i.e. rows moved and STCE's arrivals run by torch
@@ -34,6 +39,10 @@ from .shapes import PREFIX_LEN, TOKENS_PER_FRAME, ModelShape
 BACKENDS = ("reference", "torch", "torch-ops", "triton")
 TORCH_OPS_STAGES = ("compact", "step", "h2svc_stce", "h2svc_step")  # where torch-ops differs from torch
 H2SVC_STAGES = ("h2svc_features", "h2svc_stce", "h2svc_step")
+RELEASED_STAGES = ("released_step", "released_guidance")
+RELEASED_FAMILIES = ("llava_ov", "qwen2_5_vl")  # the model classes the released code has (its Qwen: 2.5-VL)
+RELEASED = "released"          # the released-style baseline of the released stages
+ADAPTER_BACKENDS = ("torch", "triton")  # what `accelerate` is given in the released stages' other rows
 
 
 class Unavailable(Exception):
@@ -236,6 +245,20 @@ def setup_h2svc_step(inputs: H2SVCInputs, backend: str) -> Case:
     return Case(run=run, bytes_moved=h2svc_floor_bytes(inputs)["step"], reset=inputs.reset, has_floor=True)
 
 
+def setup_released_step(inputs: Inputs, backend: str) -> Case:
+    """One chunk's compression after the guidance pass: the released classes' selection and shrink, per layer in
+    Python ("released"), or the same instance after `accelerate` (bench/released.py); same work as `step`."""
+    from .released import released_step_case
+    return released_step_case(inputs, backend, floor_bytes(inputs.spec)["step"])
+
+
+def setup_released_guidance(inputs: Inputs, backend: str) -> Case:
+    """One chunk's guidance pass: the released manual path (three prompts, attention materialised per layer) or
+    the accelerated instance's pooled pass (bench/released.py)."""
+    from .released import released_guidance_case
+    return released_guidance_case(inputs, backend)
+
+
 def cache_bytes(shape: ModelShape, dtype: torch.dtype, prefix_len: int = PREFIX_LEN,
                 tokens_per_frame: int = TOKENS_PER_FRAME, chunk_frames: int = 16, budget: int = 6000,
                 dense_frames: int = 64) -> dict[str, tuple[int, int]]:
@@ -267,6 +290,8 @@ STAGES: dict[str, Callable[[Inputs | H2SVCInputs, str], Case]] = {
     "h2svc_features": setup_h2svc_features,
     "h2svc_stce": setup_h2svc_stce,
     "h2svc_step": setup_h2svc_step,
+    "released_step": setup_released_step,
+    "released_guidance": setup_released_guidance,
 }
 
 
@@ -277,6 +302,9 @@ def stage_policy(stage: str) -> str:
 
 def stage_backends(stage: str, backends: tuple[str, ...]) -> tuple[str, ...]:
     """The backends a stage is measured with: the chosen ones (torch-ops only where it differs from torch), plus
-    the eager baseline for pooled attention."""
+    the eager baseline for pooled attention; for the released stages the released-style baseline and the chosen
+    backends `accelerate` takes."""
+    if stage in RELEASED_STAGES:
+        return (RELEASED,) + tuple(b for b in backends if b in ADAPTER_BACKENDS)
     chosen = tuple(b for b in backends if b != "torch-ops" or stage in TORCH_OPS_STAGES)
     return chosen + ("eager",) if stage.startswith("pooled_attention") else chosen

@@ -20,7 +20,8 @@ from hermes_kernels.policies.hermes import reference
 from bench import cli, inputs, report, stages, stream_memory
 from bench.shapes import SHAPES, SMOKE_SHAPES
 from bench.inputs import Spec, make_inputs
-from bench.stages import STAGES, cache_bytes, floor_bytes, stage_backends, stage_policy
+from bench.stages import (RELEASED, RELEASED_FAMILIES, RELEASED_STAGES, STAGES, Unavailable, cache_bytes, floor_bytes,
+                          stage_backends, stage_policy)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE_TOKENS_PER_FRAME = 32
@@ -44,6 +45,8 @@ BENCH_CASES = [(stage, backend) for stage in STAGES for backend in stage_backend
 def test_stage_benchmark(benchmark, stage, backend, shape_name):
     if backend == "triton" and DEVICE.type != "cuda":
         pytest.skip("triton is timed on CUDA only; on CPU the interpreter is for correctness (tests/)")
+    if stage in RELEASED_STAGES and SMOKE_SHAPES[shape_name].preset_name not in RELEASED_FAMILIES:
+        pytest.skip("the released code has LLaVA-OV and Qwen2.5-VL classes only")
     inputs = smoke_inputs(shape_name, stage_policy(stage))
     case = STAGES[stage](inputs, backend)   # an Unavailable backend fails here: torch/reference must exist
     benchmark.group = f"{stage}-{shape_name}"
@@ -218,3 +221,58 @@ def test_quick_main_job_runs(tmp_path, capsys):
     assert "h2svc_step" in out and "cache K+V bytes" in out
     assert "512 s stream" in out and "qwen2.5-vl-7b" in out
     assert "H2SVC (policy='h2svc'" in out and "H2SVC cache MiB per class" in out
+    assert "released_step accelerate(backend='torch') vs the released-style code" in out
+    assert "released_guidance accelerate(backend='torch') vs the released-style code" in out
+
+
+def _cache_of(model):
+    return [(k.clone(), v.clone()) for k, v in model.kv_cache], [p.clone() for p in model._position_ids_cache]
+
+
+@pytest.mark.parametrize("shape_name", ["smoke-1d", "smoke-mrope"])
+def test_released_step_rows_do_the_same_work(shape_name):
+    """The released-style row and the accelerated row of released_step keep the same tokens at the same positions
+    from the same guidance attention, so their ratio compares one step done two ways."""
+    from bench.released import released_inputs
+
+    inputs = smoke_inputs(shape_name)
+    results = {}
+    for backend in (RELEASED, "torch"):
+        case = STAGES["released_step"](inputs, backend)
+        case.reset()
+        case.run()
+        results[backend] = _cache_of(case.model)
+    (rk, rp), (fk, fp) = results[RELEASED], results["torch"]
+    assert [k.shape for k, _ in rk] == [k.shape for k, _ in fk]
+    assert all(torch.equal(a, b) for a, b in zip(rp, fp))
+    for (a, _), (b, _) in zip(rk, fk):
+        torch.testing.assert_close(b.float(), a.float(), atol=1e-3 if a.dtype == torch.float16 else 1e-4, rtol=1e-3)
+    assert released_inputs(inputs).pooled is not None
+
+
+def test_released_stages_refuse_a_family_the_released_code_lacks():
+    with pytest.raises(Unavailable, match="no qwen3_vl class"):
+        STAGES["released_step"](smoke_inputs("smoke-mrope-interleaved"), "torch")
+
+
+def test_released_stages_run_once_per_shape_with_their_ratio():
+    """At the largest budget and chunk of each released family's shape only; "vs ref" is the released-style median
+    over the accelerated one; the headline prints both medians."""
+    specs = [Spec(shape=SMOKE_SHAPES[name], budget=budget, chunk_frames=chunk, dtype=torch.float32,
+                  device=torch.device("cpu"), tokens_per_frame=8)
+             for name in ("smoke-1d", "smoke-mrope-interleaved") for budget in (16, 24) for chunk in (1, 2)]
+    args = cli.parse_args(["--quick", "--no-memory"])
+    rows = cli.measure(specs, ["released_step"], ("torch",), args, torch.device("cpu"))
+    assert [(r.shape, r.budget, r.chunk, r.backend) for r in rows] == [("smoke-1d", 24, 2, RELEASED),
+                                                                       ("smoke-1d", 24, 2, "torch")]
+    released, fast = rows
+    assert released.ok and fast.ok and released.repeats == args.released_repeats == 1
+    assert fast.speedup_vs_reference == pytest.approx(released.median_ms / fast.median_ms)
+    line = [x for x in cli.headline(rows) if x.startswith("released_step")]
+    assert len(line) == 1 and "accelerate(backend='torch') vs the released-style code" in line[0]
+
+
+def test_the_cpu_default_leaves_the_released_guidance_out():
+    assert "released_guidance" not in cli.parse_args([]).stages or DEVICE.type == "cuda"
+    assert "released_guidance" in cli.parse_args(["--quick"]).stages
+    assert {"released_step", "released_guidance"} <= set(cli.parse_args(["--device", "cuda"]).stages)
