@@ -1,13 +1,16 @@
-"""Per-chunk CPU cost of HermesStream on the tiny random models (issues 4 and 11), one thread.
+"""Per-chunk CPU cost of HermesStream on random-weight models, one thread (docs/benchmarks.md).
 
-python -m bench.stream_cost time   # per chunk: prefill alone vs + guidance + compression, separate and fused (§4)
+python -m bench.stream_cost time   # tiny models, per chunk: prefill alone vs + guidance + compression (§4)
+python -m bench.stream_cost real   # the same columns at the real widths of LLaVA-OV-0.5B and Qwen2.5-VL-3B
+                                   # (bench/widths.py): 196-token frames, 4-frame chunks, budget 6000
 python -m bench.stream_cost mem    # peak tensor bytes: our guidance pass vs eager output_attentions passes
 
 `time` feeds the same chunks to two streams, one with the guidance pass on its own after the prefill
 (`fused_guidance=False`) and one with the prompts fused into the chunk's prefill (the default); their caches
 stay byte-identical (tests/hermes/policies/hermes/test_guidance.py), so both pay for the same work. Before each chunk
 the fused stream also runs the chunk's prefill alone (vision + LM forward, then truncated back): the reference the
-ratios divide by. Splits come from timers around the stream's own stages (encoder, guidance, compression).
+ratios divide by. Splits come from timers around the stream's own stages (encoder, guidance, compression); every
+time is the process's CPU time (one thread), which other jobs on a shared machine disturb less than wall time.
 """
 import statistics
 import sys
@@ -22,7 +25,14 @@ from hermes.stream import HermesStream
 from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
 from hermes.attention import attention_implementation
 
-TARGET = 1.3  # fused guidance + compression within 1.3x the chunk's prefill alone
+from bench.widths import REAL_WIDTHS
+
+TARGET = 1.3       # tiny models: fused guidance + compression within 1.3x the chunk's prefill alone
+REAL_TARGET = 1.1  # real widths: within 1.1x
+REAL_BUDGET = 6000
+# CPU seconds of this process (one thread): other jobs on a shared runner stretch wall time far more than this
+clock = time.process_time
+REAL_FRAMES = 4
 
 
 def chunker(name, g, frames):
@@ -46,18 +56,36 @@ class Timers:
 
     def wrap(self, key, fn):
         def timed(*a, **k):
-            t = time.perf_counter()
+            t = clock()
             try:
                 return fn(*a, **k)
             finally:
-                self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - t
+                self.spent[key] = self.spent.get(key, 0.0) + clock() - t
         return timed
 
 
 def time_split(name, budget, frames, steps=40, room=200):
+    """The tiny model of family `name` (hermes.testing)."""
     g = torch.Generator().manual_seed(0)
     model = tiny_llava_ov() if name == "llava_ov" else tiny_qwen2_5_vl()
-    streams = {mode: build(name, budget, frames, room=room, model=model, fused_guidance=mode == "fused")
+    extra = {} if name == "llava_ov" else {"frame_size": (16, 16)}
+    split(name, model, chunker(name, g, frames), budget, frames, steps, room, TARGET, **extra)
+
+
+def real_split(name, budget=REAL_BUDGET, frames=REAL_FRAMES, steps=5):
+    """The random-weight model at `name`'s real widths (bench.widths.REAL_WIDTHS)."""
+    width = REAL_WIDTHS[name]
+    g = torch.Generator().manual_seed(0)
+    extra = {} if width.frame_size is None else {"frame_size": width.frame_size}
+    split(name, width.build(), lambda: width.frames(frames, g), budget, frames, steps, 2 * 196 * frames, REAL_TARGET,
+          **extra)
+
+
+def split(name, model, chunk, budget, frames, steps, room, target, **stream_args):
+    """Feed the same chunks to a separate-guidance and a fused-guidance stream until both compress, then time
+    `steps` more chunks of each (and of the prefill alone); print the fastest chunk of each column."""
+    streams = {mode: HermesStream(model, tiny_tokenizer(), budget=budget, chunk_frames=frames, room=room,
+                                  fused_guidance=mode == "fused", **stream_args)
                for mode in ("separate", "fused")}
     timers = {mode: Timers() for mode in streams}
     active = {"mode": None}
@@ -65,7 +93,6 @@ def time_split(name, budget, frames, steps=40, room=200):
     for mode, stream in streams.items():
         stream.cache.compress = timers[mode].wrap("compress", stream.cache.compress)
         stream.family.encode_video = timers[mode].wrap("encode", stream.family.encode_video)
-    chunk = chunker(name, g, frames)
     try:
         while streams["fused"].last_step is None:
             c = chunk()
@@ -78,20 +105,20 @@ def time_split(name, budget, frames, steps=40, room=200):
             row = {}
             fused = streams["fused"]
             length = fused.cache.length
-            t = time.perf_counter()
+            t = clock()
             with torch.no_grad():
                 encoded = fused.family.encode_video(fused.model, None, **c, batch_size=1)
-                t_vision = time.perf_counter() - t
+                t_vision = clock() - t
                 prefill(fused.language_model, fused.cache, encoded)
-            row["alone"] = time.perf_counter() - t
+            row["alone"] = clock() - t
             row["vision"] = t_vision
             fused.cache.truncate(length)
             for mode, stream in streams.items():
                 active["mode"] = mode
                 timers[mode].spent = {}
-                t = time.perf_counter()
+                t = clock()
                 stream.append_video(**c)
-                row[mode] = time.perf_counter() - t
+                row[mode] = clock() - t
                 spent = timers[mode].spent
                 row[mode + " guidance"] = spent["guidance"]
                 row[mode + " compress"] = spent["compress"]
@@ -99,19 +126,19 @@ def time_split(name, budget, frames, steps=40, room=200):
             rows.append(row)
     finally:
         hermes_policy.run_guidance = run_guidance
-    # the runner is shared (load ~5 on 2 cores): the fastest of 40 chunks is the cost, the median the noise
+    # the runner is shared (other jobs on its 2 cores): the fastest chunk is the cost, the median the noise
     best = {key: min(r[key] for r in rows) * 1e3 for key in rows[0]}
     noisy = {key: statistics.median(r[key] for r in rows) * 1e3 for key in ("alone", "separate", "fused")}
     alone = best["alone"]
     cache = streams["fused"].cache.length
     T = streams["fused"].chunk_tokens
-    print(f"{name:10s} budget {budget:4d} chunk {T:3d} tok cache {cache:4d}->{cache + T:4d} | prefill alone "
+    print(f"{name:13s} budget {budget:4d} chunk {T:3d} tok cache {cache:4d}->{cache + T:4d} | prefill alone "
           f"{alone:5.2f} ms (vision {best['vision']:4.2f}, LM {alone - best['vision']:4.2f})"
           f" | separate: LM {best['separate rest']:4.2f} + guidance {best['separate guidance']:4.2f} + compress "
           f"{best['separate compress']:4.2f} = {best['separate']:5.2f} ms x{best['separate'] / alone:.2f}"
           f" | fused: LM+guidance {best['fused guidance'] + best['fused rest']:4.2f} + compress "
           f"{best['fused compress']:4.2f} = {best['fused']:5.2f} ms x{best['fused'] / alone:.2f}"
-          f" (target x{TARGET}) | medians alone {noisy['alone']:.1f}, separate {noisy['separate']:.1f}, "
+          f" (target x{target}) | medians alone {noisy['alone']:.1f}, separate {noisy['separate']:.1f}, "
           f"fused {noisy['fused']:.1f}")
 
 
@@ -178,8 +205,11 @@ if __name__ == "__main__":
         # ... and 256-token chunks, nearer the real prompt-to-chunk ratio (62 vs 3,136 tokens at LLaVA-OV-7B)
         for name, frames in (("llava_ov", 16), ("qwen2_5_vl", 32)):
             time_split(name, 1000, frames, room=400)
+    elif sys.argv[1:2] == ["real"]:
+        for name in sys.argv[2:] or REAL_WIDTHS:
+            real_split(name)
     elif sys.argv[1:] == ["mem"]:
         for name in ("llava_ov", "qwen2_5_vl"):
             memory(name)
     else:
-        sys.exit("usage: python -m bench.stream_cost time|mem")
+        sys.exit(f"usage: python -m bench.stream_cost time|mem|real [{'|'.join(REAL_WIDTHS)}]")

@@ -57,6 +57,27 @@ def model_attention(module, query, key, value, attention_mask, dropout, scaling,
                                   **kwargs)
 
 
+def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor:
+    """sdpa with the G = H / Hkv query heads of each KV head stacked as rows, for a few query rows over many keys.
+
+    query [b, H, Q, D]; key/value [b, Hkv, S, D]; mask bool [b or 1, 1, G·Q, S] (row g·Q + i: query i, the same
+    for every head; `grouped_mask`). The same numbers as the model's sdpa path, without the per-query-head copy
+    of K/V that `repeat_kv` makes (for tens of rows over thousands of keys that copy costs as much as the
+    attention). Returns [b, Q, H, D], the layout of transformers' attention functions."""
+    b, heads, count, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(b, kv_heads, heads // kv_heads * count, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, count, dim).transpose(1, 2).contiguous()
+
+
+def grouped_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """bool [m, 1, Q, S] -> [m, 1, groups·Q, S]: each query row's mask repeated for every query head of a group."""
+    m, _, count, total = mask.shape
+    return mask.unsqueeze(2).expand(m, 1, groups, count, total).reshape(m, 1, groups * count, total)
+
+
 def causal_mask(count: int, total: int, device: torch.device) -> torch.Tensor:
     """bool [1, 1, T, S]: query i (the last T of S tokens) sees keys j <= S - T + i (bottom-right aligned)."""
     rows = torch.arange(count, device=device)[:, None] + (total - count)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import hermes_kernels as hk
-from hermes.attention import causal_mask, flash_usable, model_attention, padded_mask
+from hermes.attention import causal_mask, flash_usable, grouped_mask, grouped_sdpa, model_attention, padded_mask
 from hermes_kernels.rope import apply_rotary_delta
 
 if TYPE_CHECKING:  # the cache imports this module for its `attend`
@@ -126,11 +126,12 @@ def _guidance_attention(module, cache: HermesCache, layer: int, query, key, valu
     if read is not None:
         # only the rows of prompts a deeper layer scores (a prompt's rows past its last scoring layer, e.g. the
         # mixed prompt's after the last mid layer, are never read again); they see no key past their own
+        # (sdpa, as the model's own attention runs with a mask, in the grouped layout: no K/V copy per head)
         lo, hi = read
-        mask = cache.forward_mask(("guidance", base), query.device,
-                                  lambda: _segment_mask(state.segments, base, count, query.device))
-        rows = model_attention(module, prompts[:, :, lo:hi], key[:, :, :base + hi], value[:, :, :base + hi],
-                               mask[..., lo:hi, :base + hi], dropout, scaling, **kwargs)[0]
+        groups = heads // key.shape[1]
+        mask = cache.forward_mask(("guidance", base, lo, hi), query.device, lambda: grouped_mask(
+            _segment_mask(state.segments, base, count, query.device)[..., lo:hi, :base + hi], groups))
+        rows = grouped_sdpa(prompts[:, :, lo:hi], key[:, :, :base + hi], value[:, :, :base + hi], mask, scaling)
         # the other rows only have to have the right shape: zeros
         outputs.append(torch.nn.functional.pad(rows, (0, 0, 0, 0, lo, count - hi)) if hi - lo < count else rows)
     elif stored:
