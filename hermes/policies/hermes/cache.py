@@ -241,7 +241,7 @@ class HermesCache(StreamCacheBase):
 
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (e.g. a question and its answer); storage is untouched."""
-        if not isinstance(length, int) or not 0 <= length <= self._length:
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self._length:
             raise ValueError(f"length: expected an int in [0, {self._length}], got {length!r}")
         self._length = length
 
