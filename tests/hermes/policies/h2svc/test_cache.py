@@ -100,6 +100,13 @@ def test_forwards_in_order_and_failed_calls_leave_the_buffers():
         feed(cache, P + 1, g)
     with pytest.raises(ValueError, match="prefix must be stored"):
         feed(cache, T_F, g, rel_positions=torch.arange(T_F), frames=1, extent=T_F - 1)
+    # the prefix goes whole at 0 .. P-1: given offsets, or keeping only part of it, is refused before a write
+    before = [t.clone() for block in cache.blocks for t in block.buffers()]
+    for context in (dict(rel_positions=torch.arange(P)), dict(keep=P - 1)):
+        with pytest.raises(ValueError, match="the prefix is stored whole"):
+            feed(cache, P, g, **context)
+        assert cache.length == 0
+        assert all(same_bytes(t, u) for t, u in zip((t for b in cache.blocks for t in b.buffers()), before))
     feed(cache, P, g)
     assert (cache.length, cache.next_position) == (P, P)
     with pytest.raises(ValueError, match="frames: expected"):
