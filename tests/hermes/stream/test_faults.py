@@ -166,3 +166,29 @@ def test_interrupted_reset_is_reported(case, policy, monkeypatch):
     stream.reset()
     assert stream.stats()["length"] == stream.cfg.prefix_len
     stream.append_video(**case.chunk(1, g))
+
+
+def test_a_direct_forward_failing_in_a_middle_layer_leaves_the_cache(case, policy):
+    """The cache used without the front (as any transformers Cache): a text forward that raises in a middle layer,
+    after the earlier layers stored their tokens, leaves its length and valid slots as they were (the length moves
+    only once the last layer has stored), and the stream then goes on like a clean one."""
+    g = torch.Generator().manual_seed(36)
+    model = case.build()
+    faulty, clean = warmed_pair(policy, case, model, g, **policy.fault_kwargs)
+    before = policy.state(faulty)
+    layers = faulty.language_model.layers
+
+    def fail(module, args):
+        raise RuntimeError("injected in a middle layer")
+
+    handle = layers[len(layers) // 2].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+            faulty.language_model(input_ids=torch.tensor([[3, 4, 5]] * faulty.batch_size), cache=faulty.cache,
+                                  use_cache=True)
+    finally:
+        handle.remove()
+    assert_state(policy, faulty, before)
+    clip = case.chunk(1, g)
+    assert policy.same_result(*(stream.append_video(**clip) for stream in (faulty, clean)))
+    assert_same_stream(policy, faulty, clean)
