@@ -114,6 +114,22 @@ def test_keep_sets_equal_the_reference(case, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("transform", ["scaled", "shifted"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.memory != "empty" and c.chunk < 16], ids=lambda c: c.id)
+def test_keep_sets_ignore_the_feature_scale_and_a_common_shift(case, backend, transform):
+    """Curvature is a property of the trajectory's shape: features scaled by 2^-6 (every distance, hence every score,
+    scales exactly; distances then sit far below 1) or shifted by 1024 in every dimension (the Gram matrix of raw
+    fp32 features that large would be rounding noise; the trajectory is centred first) keep the same frames."""
+    (features, frames, arriving, first_frame), trace = tie_free(case, 40 + CASES.index(case))
+    if transform == "scaled":
+        features, arriving = features / 64, arriving / 64
+    else:
+        features, arriving = features + 1024, arriving + 1024
+    kept = hk.stce_select(*on_device(features, frames, arriving), first_frame, case.capacity, backend=backend)
+    assert torch.equal(kept.cpu(), trace.kept), f"{transform}: kept\n{kept.cpu()}\nreference\n{trace.kept}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_a_chunk_equals_its_frames_one_by_one(backend):
     """F arrivals in one call == F calls of one arrival, each starting from the previous call's memory."""
     case = Case(5, "partial", 16, BF16, H=2, B=1, capacity=4)
