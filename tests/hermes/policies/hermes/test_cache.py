@@ -246,7 +246,12 @@ def test_construction_errors():
     for change, match in (({"capacity": 13}, "capacity"), ({"head_dim": 15}, "head_dim"),
                           ({"inv_freq": inv_freq_for(8)}, "inv_freq"), ({"mrope_section": [2, 2, 2]}, "mrope"),
                           ({"mrope_section": INTERLEAVED[8]}, "mrope_section"),
-                          ({"layer_devices": ["cpu"] * 3}, "layer_devices"), ({"batch_size": 0}, "batch_size"),
+                          ({"layer_devices": ["cpu"] * 3}, "layer_devices"),
+                          # the geometry's positive ints, each named exactly (a message's first word)
+                          ({"batch_size": 0}, "^batch_size: expected a positive int, got 0$"),
+                          ({"num_kv_heads": 0}, "^num_kv_heads: expected a positive int, got 0$"),
+                          ({"head_dim": 0}, "^head_dim: expected a positive int, got 0$"),
+                          ({"head_dim": 16.0}, "^head_dim: expected a positive int, got 16.0$"),
                           ({"stack_bounds": [0]}, "stack_bounds"), ({"stack_bounds": [4]}, "stack_bounds"),
                           ({"stack_bounds": [3, 1]}, "stack_bounds"), ({"stack_bounds": [2, 2]}, "stack_bounds"),
                           ({"stack_bounds": [1.5]}, "stack_bounds")):

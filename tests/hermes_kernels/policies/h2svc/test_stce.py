@@ -200,6 +200,25 @@ def test_zero_velocity_frames_score_zero_and_the_older_goes_first(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_a_straight_step_and_a_repeated_frame_tie_at_zero_and_the_older_goes_first(backend):
+    """Frame 1 lies midway on a straight line (cos = 1: score exactly 0) and frame 4 repeats frame 3 (a zero-length
+    step: both score 0 by the norms > 0 guard, not 0/0 = NaN). Small integer points over 8 lanes keep every
+    distance, centre and cosine exact in float32, so the tie is exact and the older frame, 1, is evicted. A NaN in
+    place of the guarded 0 would win the argmin and evict frame 3 instead."""
+    points = [(0, 0), (1, 0), (2, 0), (2, 3), (2, 3), (5, 7), (9, 7), (9, 12)]
+    base = torch.zeros(len(points), 4)
+    base[:, :2] = torch.tensor(points, dtype=torch.float32)
+    W = len(points) - 1
+    scores = ref.stce_scores(base[:W], torch.arange(W))
+    assert scores[[1, 3, 4]].tolist() == [0, 0, 0] and bool((scores[[2, 5]] > 0).all())
+    features, frames = base[:W].view(1, 1, W, 4), torch.arange(W).view(1, 1, W)
+    arriving = base[W:].view(1, 1, 1, 4)
+    kept = hk.stce_select(*on_device(features, frames, arriving), W, W, backend=backend).cpu()
+    assert kept.flatten().tolist() == [0, 2, 3, 4, 5, 6, 7]
+    assert torch.equal(kept, ref.stce_select(features, frames, arriving, W, W))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_identical_features_evict_oldest_interior_first(backend):
     """Every velocity 0: every interior score ties at 0, so each eviction takes the oldest interior frame; the
     oldest frame (an endpoint) stays, and the memory ends as the oldest plus the newest capacity - 1 frames."""

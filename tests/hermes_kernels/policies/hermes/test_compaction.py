@@ -485,7 +485,9 @@ def test_asking_for_the_c_walk_where_it_cannot_run_raises_before_writing(dtype, 
     case = Case("llava_ov", 4, 1, 2, 64, 3, 20, 9, dtype, None, "eager", True, "contiguous")
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=70)
     snapshot = [t.clone() for t in (keys, values, positions)]
-    with pytest.raises(RuntimeError, match=f"native: .*{dtype}"):
+    takes = ", ".join(map(str, rows.C_DTYPES))  # the message lists the dtypes the C kernel does take
+    with pytest.raises(RuntimeError, match=f"native: the C row kernel cannot run: the cache is {dtype}, "
+                                           f"the C kernel takes {takes}$"):
         compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     with pytest.raises(RuntimeError, match=f"native: .*{native.ENV_SWITCH}=0"):
@@ -493,6 +495,70 @@ def test_asking_for_the_c_walk_where_it_cannot_run_raises_before_writing(dtype, 
                                      native=True)
     for before, after in zip(snapshot, (keys, values, positions)):
         assert torch.equal(before, after)
+
+
+def strided_rows(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a view whose last dim has stride 2 (every other element of a buffer twice as wide)."""
+    buffer = torch.full((*x.shape[:-1], 2 * x.shape[-1]), float("nan"), dtype=x.dtype, device=x.device)
+    buffer[..., ::2] = x
+    return buffer[..., ::2]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+def test_native_false_takes_the_torch_ops_where_the_c_walk_could_run(monkeypatch):
+    """`native=False` is a choice, not a hint: on a cache the C walk takes (CPU fp32, contiguous rows, library
+    built) the torch-ops mover runs, with the sorting dense rank, and matches the reference."""
+    require_c_library("compact_cpu")
+    monkeypatch.setattr(rows, "move_rows_native", refuse)
+    monkeypatch.setattr(rows, "dense_rank_counting", refuse)
+    case = NATIVE_CASES[1]
+    cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=74)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
+    length, flag = compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=False)
+    assert length == ref_length and bool(flag) == bool(ref_flag)
+    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(ref_flag), None)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+@pytest.mark.parametrize("strided", ["keys", "values"])
+def test_rows_not_contiguous_in_either_tensor_take_the_torch_ops(strided, monkeypatch):
+    """The C walk reads rows of D adjacent elements: keys or values alone with a strided last dim must send the
+    step to the torch-ops mover (which then matches the reference), and `native=True` must name the reason."""
+    require_c_library("compact_cpu")
+    case = Case("llava_ov", 4, 2, 2, 16, 3, 27, 10, F32, None, "eager", True, "contiguous")
+    cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=72)
+    if strided == "keys":
+        keys = strided_rows(keys)
+    else:
+        values = strided_rows(values)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
+    with pytest.raises(RuntimeError, match=r"^native: the C row kernel cannot run: a key or value row is not "
+                                           r"contiguous \(stride of the last dim != 1\)$"):
+        compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
+    monkeypatch.setattr(rows, "move_rows_native", refuse)
+    length, flag = compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section)
+    assert length == ref_length and bool(flag) == bool(ref_flag)
+    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(ref_flag), None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_fp16_summary_of_large_values_does_not_overflow(backend):
+    """A deep layer folds 40 pruned fp16 rows of about 3000 into its summary: their sum (~1.2e5) is past fp16's
+    largest value (65504), their mean is not. The sums must be taken in fp32, as the reference's are."""
+    case = Case("llava_ov", 4, 1, 2, 16, 3, 50, 10, F16, None, "eager", True, "contiguous")
+    cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=73)
+    for x in (keys, values):
+        x.abs_().add_(3000)
+    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    ref_length, _ = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
+    length, flag = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend)
+    assert length == ref_length
+    assert bool(torch.isfinite(rk[..., :length, :]).all() & torch.isfinite(rv[..., :length, :]).all()), \
+        "the reference overflowed: the case does not test what it says"
+    assert bool(torch.isfinite(keys[..., :length, :]).all()) and bool(torch.isfinite(values[..., :length, :]).all())
+    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(flag), None)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
