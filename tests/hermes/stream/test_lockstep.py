@@ -126,3 +126,21 @@ def test_pad_token_id_zero_pads_and_ends_the_answers(case, policy):
     finally:
         del batch.model.generate
     assert seen["pad_token_id"] == 0
+
+
+def test_ask_generates_up_to_the_documented_64_tokens_by_default(case, policy, monkeypatch):
+    """`ask(question)` without max_new_tokens generates at most 64 tokens (docs/stream.md), the same answer as
+    asking for 64 explicitly."""
+    model = case.build()
+    stream = policy.stream(case, model)
+    stream.append_video(**case.chunk(1, torch.Generator().manual_seed(8)))
+    asked = []
+    generate = stream._generate
+
+    def recording(ids, pads, max_new_tokens, **kwargs):
+        asked.append(max_new_tokens)
+        return generate(ids, pads, max_new_tokens, **kwargs)
+
+    monkeypatch.setattr(stream, "_generate", recording)
+    assert stream.ask(QUESTION) == stream.ask(QUESTION, max_new_tokens=64)
+    assert asked == [64, 64]
