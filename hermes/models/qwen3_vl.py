@@ -43,7 +43,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
 from hermes_kernels.rope import RotaryLayout
 
-from . import ModelFamily, VideoChunk, check_pixels
+from . import VideoChunk, check_pixels
 from .processing import PilVideoProcessor
 from .qwen2_5_vl import Qwen2_5_VL, patchify
 
@@ -135,7 +135,9 @@ class Qwen3VLPilVideoProcessor(PilVideoProcessor):
         return {"pixel_values_videos": rows, "video_grid_thw": np.array([grid], dtype=np.int64)}
 
 
-class Qwen3_VL(ModelFamily):
+class Qwen3_VL(Qwen2_5_VL):
+    """Qwen2.5-VL's grid checks, frame counts and text-only position arguments; its own rotary layout, chunk
+    layout (timestamps, DeepStack), processing and chat text."""
     model_types = ("qwen3_vl",)
     preset_name = "qwen3_vl"
 
@@ -188,7 +190,7 @@ class Qwen3_VL(ModelFamily):
         video = check_pixels("video", video, f"[B * t * h * w, {patch_dim}] with grid_thw")
         if grid_thw is None:
             raise ValueError("grid_thw: Qwen3-VL pixel values need their (t, h, w) patch grid")
-        grid = Qwen2_5_VL._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
+        grid = self._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
         per_stream = grid[0] * grid[1] * grid[2]
         if video.dim() != 2 or tuple(video.shape) != (batch_size * per_stream, patch_dim):
             raise ValueError(f"video: expected flattened patches [B*t*h*w={batch_size * per_stream}, {patch_dim}] "
@@ -252,20 +254,9 @@ class Qwen3_VL(ModelFamily):
         return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
                 "timestamps": step_times(len(frames), float(fps), float(start), video_processor.temporal_patch_size)}
 
-    def memory_frames(self, inputs):
-        return int(torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0, 0])  # grid_t
-
-    def frame_size(self, model, inputs):
-        _, grid_h, grid_w = (int(x) for x in torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0])
-        patch = model.config.vision_config.patch_size
-        return grid_h * patch, grid_w * patch
-
     def prefix_text(self, system_prompt):
         prompt = self.system_prompt if system_prompt is None else system_prompt
         return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n"
 
     def question_text(self, question):
         return f"{question}<|im_end|>\n<|im_start|>assistant\n"
-
-    def text_kwargs(self, input_ids):
-        return {"mm_token_type_ids": torch.zeros_like(input_ids, dtype=torch.int32)}
