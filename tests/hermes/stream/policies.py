@@ -19,7 +19,7 @@ from hermes.policies.h2svc.cache import H2SVCCache
 from hermes.stream import HermesStream
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC
 from hermes_kernels.policies.hermes import compaction
-from tests.hermes.policies.h2svc.checks import h2svc_stream
+from tests.hermes.policies.h2svc.checks import h2svc_step_fails, h2svc_stream
 from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
 from tests.hermes.policies.h2svc.checks import whole_buffers as h2svc_buffers
 from tests.hermes.streams import CASES, QUESTION, QWEN3_VL, make_stream
@@ -162,21 +162,6 @@ def _h2svc_same_rows(a, b, stream_a: int, stream_b: int) -> None:
                                    b.cache.class_features(layer)[stream_b, :, :held])
 
 
-@contextlib.contextmanager
-def _h2svc_step_fails(monkeypatch):
-    step, calls = hk.h2svc_step, []
-
-    def fails_after_the_first_block(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise torch.OutOfMemoryError("injected after the first block moved")
-        return step(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(hk, "h2svc_step", fails_after_the_first_block)
-        yield
-
-
 def _h2svc_kept_frames_differ(batch, alone) -> None:
     """STCE's keep sets are per (row, stream): over rows and streams the episodic frames kept are not all equal."""
     kept = [stream.cache.class_slot_frames(EPISODIC, layer)[0].sort(-1).values for stream in alone
@@ -195,7 +180,7 @@ POLICIES = {
                          step_fails=_hermes_step_fails, guidance=True, every_chunk=False),
     "h2svc": PolicyCase(name="h2svc", stream=_h2svc_stream, warm=3, fault_kwargs={}, faults=H2SVC_FAULTS,
                         state=_h2svc_state, buffers=h2svc_buffers, same_rows=_h2svc_same_rows,
-                        same_result=lambda r0, r1: r0 == r1, step_fails=_h2svc_step_fails, guidance=False,
+                        same_result=lambda r0, r1: r0 == r1, step_fails=h2svc_step_fails, guidance=False,
                         every_chunk=True, check_lockstep=_h2svc_kept_frames_differ),
 }
 

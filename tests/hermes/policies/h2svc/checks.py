@@ -1,11 +1,15 @@
 """Helpers of the H2SVC stream tests (tests/hermes/policies/h2svc/): streams with poisoned free slots, chunks of a
 given number of H2SVC frames, snapshots of the class blocks, and the independent reference: a full-sequence
-forward through a test-only eager attention with an explicit boolean mask per (layer, KV head)."""
+forward through a test-only eager attention with an explicit boolean mask per (layer, KV head); a step that
+fails after its first class block (`h2svc_step_fails`)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers import AttentionInterface
 
+import hermes_kernels as hk
 from hermes.attention import attention_implementation
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 from hermes.stream import HermesStream
@@ -154,3 +158,20 @@ def masked_reference_logits(model, embeds: torch.Tensor, positions: torch.Tensor
             return model.lm_head(hidden[:, -1])
     finally:
         _MASKS.clear()
+
+
+@contextlib.contextmanager
+def h2svc_step_fails(monkeypatch):
+    """`hk.h2svc_step` raises on its second call inside the block: a step fails after its first class block was
+    rewritten in place (the cache must then be `undefined`)."""
+    step, calls = hk.h2svc_step, []
+
+    def fails_after_the_first_block(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected after the first block moved")
+        return step(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hk, "h2svc_step", fails_after_the_first_block)
+        yield

@@ -10,6 +10,7 @@ from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVC
 from hermes.policies.h2svc.attention import frame_window_mask
 from hermes.policies.h2svc.cache import H2SVCCache
 from hermes_kernels.rope import RotaryLayout
+from tests.hermes.policies.h2svc.checks import h2svc_step_fails
 from tests.utils import DEVICE
 from tests.utils import INTERLEAVED, inv_freq_for, same_bytes
 
@@ -162,18 +163,8 @@ def test_a_failed_step_leaves_the_cache_refusing_forwards_and_steps(monkeypatch)
     feed(cache, 2 * T_F, g, frames=2, extent=2 * T_F - 1)
     cache.step()
     feed(cache, 2 * T_F, g, frames=2, extent=2 * T_F - 1)
-    step, calls = hk.h2svc_step, []
-
-    def fails_after_the_first_block(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise torch.OutOfMemoryError("injected after the first block moved")
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(hk, "h2svc_step", fails_after_the_first_block)
-    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+    with h2svc_step_fails(monkeypatch), pytest.raises(torch.OutOfMemoryError, match="injected"):
         cache.step()
-    monkeypatch.setattr(hk, "h2svc_step", step)
     assert cache.undefined
     with pytest.raises(RuntimeError, match="undefined; call reset"):
         feed(cache, 3, g)
