@@ -171,22 +171,31 @@ def assert_compacted_like(case: Case, got, expected, length: int, keep: torch.Te
         assert (buffers[2][..., N:] == POSITION_POISON).all(), "wrote positions past N"
 
 
-def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None = None,
-             cfg: HermesConfig | None = None) -> bool:
-    """Compact one cache with `backend` and with the reference; assert everything matches. Returns the flag."""
-    cfg, keys, values, positions, buffers, _, keep, inv_freq, section = setup_case(case, seed, positions, cfg)
+def compacts_like_the_reference(case: Case, cfg, keys, values, positions, buffers, keep, inv_freq, section,
+                                compact) -> tuple[int, bool, tuple]:
+    """Run the reference on clones and `compact()` (the fast path, in place on keys/values/positions; returns
+    (length, flag)); assert everything matches. Returns (length, flag, the reference's keys, values, positions)."""
     rk, rv, rp = keys.clone(), values.clone(), positions.clone()
     ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
 
     storage = [t.data_ptr() for t in (keys, values, positions)]
-    length, flag = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend)
+    length, flag = compact()
 
     assert [t.data_ptr() for t in (keys, values, positions)] == storage, "not in place"
     assert isinstance(length, int) and length == ref_length
     assert isinstance(flag, torch.Tensor) and flag.dtype == torch.bool and flag.dim() == 0
     assert flag.device == keys.device and bool(flag) == bool(ref_flag)
     assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(ref_flag), buffers)
-    return bool(flag)
+    return length, bool(flag), (rk, rv, rp)
+
+
+def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None = None,
+             cfg: HermesConfig | None = None) -> bool:
+    """Compact one cache with `backend` and with the reference; assert everything matches. Returns the flag."""
+    cfg, keys, values, positions, buffers, _, keep, inv_freq, section = setup_case(case, seed, positions, cfg)
+    return compacts_like_the_reference(
+        case, cfg, keys, values, positions, buffers, keep, inv_freq, section,
+        lambda: hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend))[1]
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -513,11 +522,8 @@ def test_native_false_takes_the_torch_ops_where_the_c_walk_could_run(monkeypatch
     monkeypatch.setattr(rows, "dense_rank_counting", refuse)
     case = NATIVE_CASES[1]
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=74)
-    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
-    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
-    length, flag = compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=False)
-    assert length == ref_length and bool(flag) == bool(ref_flag)
-    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(ref_flag), None)
+    compacts_like_the_reference(case, cfg, keys, values, positions, None, keep, inv_freq, section, lambda: (
+        compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=False)))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
@@ -532,15 +538,12 @@ def test_rows_not_contiguous_in_either_tensor_take_the_torch_ops(strided, monkey
         keys = strided_rows(keys)
     else:
         values = strided_rows(values)
-    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
-    ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
     with pytest.raises(RuntimeError, match=r"^native: the C row kernel cannot run: a key or value row is not "
                                            r"contiguous \(stride of the last dim != 1\)$"):
         compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
     monkeypatch.setattr(rows, "move_rows_native", refuse)
-    length, flag = compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section)
-    assert length == ref_length and bool(flag) == bool(ref_flag)
-    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(ref_flag), None)
+    compacts_like_the_reference(case, cfg, keys, values, positions, None, keep, inv_freq, section, lambda: (
+        compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -551,14 +554,12 @@ def test_fp16_summary_of_large_values_does_not_overflow(backend):
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=73)
     for x in (keys, values):
         x.abs_().add_(3000)
-    rk, rv, rp = keys.clone(), values.clone(), positions.clone()
-    ref_length, _ = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
-    length, flag = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend)
-    assert length == ref_length
+    length, _, (rk, rv, _) = compacts_like_the_reference(
+        case, cfg, keys, values, positions, None, keep, inv_freq, section,
+        lambda: hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend))
     assert bool(torch.isfinite(rk[..., :length, :]).all() & torch.isfinite(rv[..., :length, :]).all()), \
         "the reference overflowed: the case does not test what it says"
     assert bool(torch.isfinite(keys[..., :length, :]).all()) and bool(torch.isfinite(values[..., :length, :]).all())
-    assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, bool(flag), None)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
