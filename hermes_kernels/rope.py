@@ -147,11 +147,10 @@ def rotary_angles(delta: torch.Tensor, inv_freq: torch.Tensor,
     layout = RotaryLayout.of(mrope_section, inv_freq.numel())
     freq = inv_freq.to(device=delta.device, dtype=dtype)
     if layout.num_axes == 1:
-        per_axis = delta.to(dtype).unsqueeze(-1)  # [..., T] -> [..., T, 1]
-    elif delta.dim() >= 2 and delta.shape[-2] == 3:
-        per_axis = delta.to(dtype).transpose(-1, -2)  # [..., 3, T] -> [..., T, 3]
-    else:
+        return delta.to(dtype).unsqueeze(-1) * freq  # every pair turns with the one position: a broadcast
+    if delta.dim() < 2 or delta.shape[-2] != 3:
         raise ValueError(f"delta: expected [..., 3, T] for {layout.describe()}, got {tuple(delta.shape)}")
+    per_axis = delta.to(dtype).transpose(-1, -2)  # [..., 3, T] -> [..., T, 3]
     # pick each pair's axis -> [..., T, D/2]
     return per_axis.index_select(-1, layout.axis_tensor(delta.device)) * freq
 
