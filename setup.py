@@ -1,8 +1,14 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the one version: hermes_kernels/version.py (read as text: importing the package needs torch)
+VERSION = re.search(r'__version__ = "([^"]+)"', (Path(__file__).parent / "hermes_kernels/version.py").read_text())[1]
 
 setup(
     name="hermes-kernels",
-    version="0.1.0",
+    version=VERSION,
     description="Fused Triton kernels and a transformers cache for HERMES streaming-video KV-cache compression",
     # the kernel library and the model glue; bench/ and tests/ run from the checkout and are not installed. The kernel
     # library (hermes_kernels, hermes_kernels.compat included) needs torch and triton only, so it installs into the

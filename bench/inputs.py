@@ -223,8 +223,10 @@ class H2SVCInputs:
         gen = torch.Generator(device=spec.device).manual_seed(spec.seed)
         T, P, F = spec.tokens_per_frame, spec.prefix_len, spec.chunk_frames
         self.first_frame = 2 * cfg.window(EPISODIC)
-        self.reindex = spec.reindex == "eager"
-        self.next_position = P + cfg.window(EPISODIC) * T
+        next_position = P + cfg.window(EPISODIC) * T
+        # the stream clock of every block (held = its full window: `clock.at`)
+        self.clock = hk.StreamClock(held=0, num_frames=F, first_frame=self.first_frame,
+                                    reindexed=torch.tensor(spec.reindex == "eager"), next_position=next_position)
         self.inv_freq = spec.shape.inv_freq(spec.device)
         self.blocks = {cls: ClassBlock(spec, cls, self.first_frame, gen)
                        for cls in (INSTANT, SHORT, EPISODIC) if cfg.num_rows(cls)}

@@ -81,18 +81,17 @@ def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int =
     chunk = CHUNK_FRAMES * TOKENS_PER_FRAME
     label = f"{shape.name} {dtype} b{budget} {reindex}" + (f" B={batch}" if batch > 1 else "")
     return HermesCase(label=label, num_layers=shape.num_layers, num_heads=shape.num_heads,
-                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mrope_section=shape.rotary,
+                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, rotary=shape.rotary,
                     dtype=_DTYPES[dtype], cfg=cfg, chunk_tokens=chunk, capacity=cfg.prefix_len + budget + chunk + _ROOM,
                     guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
 
 
-def _h2svc_case(shape: ModelShape, dtype: str, chunk_frames: int, reindex: bool,
+def _h2svc_case(shape: ModelShape, dtype: str, chunk_frames: int, reindexing: bool,
                 batch: int = 1) -> H2SVCCase:
-    label = (f"{shape.name} h2svc {dtype} F{chunk_frames} {'reindex' if reindex else 'no-reindex'}"
+    label = (f"{shape.name} h2svc {dtype} F{chunk_frames} {'reindex' if reindexing else 'no-reindex'}"
              + (f" B={batch}" if batch > 1 else ""))
-    return H2SVCCase(label=label, head_dim=shape.head_dim, mrope_section=shape.rotary,
-                               dtype=_DTYPES[dtype], cfg=shape.h2svc_config(), chunk_frames=chunk_frames,
-                               reindex=reindex, batch=batch)
+    return H2SVCCase(label=label, head_dim=shape.head_dim, rotary=shape.rotary, dtype=_DTYPES[dtype],
+                     cfg=shape.h2svc_config(), chunk_frames=chunk_frames, reindexing=reindexing, batch=batch)
 
 
 def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None, streams: list[int] | None = None,

@@ -48,14 +48,14 @@ class Report:
     positions: tuple[int, int]
     ms_per_chunk: float     # mean since the previous report
     steps: int
-    compactions: int
+    reindexes: int
 
     def line(self, family: str) -> str:
         rss = "n/a" if self.rss_mib is None else f"{self.rss_mib:8.1f}"
         return (f"{family:10s} chunk {self.chunk:6d} | RSS {rss} MiB | live tensors {self.tensor_count:5d} "
                 f"{self.tensor_bytes / 2**20:8.3f} MiB | length {self.length:4d} | positions "
                 f"{self.positions[0]}..{self.positions[1]:4d} | {self.ms_per_chunk:6.2f} ms/chunk | steps "
-                f"{self.steps} compactions {self.compactions}")
+                f"{self.steps} reindexes {self.reindexes}")
 
 
 def rss_mib() -> float | None:
@@ -115,7 +115,7 @@ def soak(family: str, chunks: int, every: int = 500, question_every: int = 100, 
         since = index - (reports[-1].chunk if reports else 0)
         report = Report(chunk=index, rss_mib=rss_mib(), tensor_bytes=nbytes, tensor_count=count,
                         length=stats["length"], positions=stats["positions"], ms_per_chunk=elapsed / since * 1e3,
-                        steps=stats["steps"], compactions=stats["compactions"])
+                        steps=stats["steps"], reindexes=stats["reindexes"])
         reports.append(report)
         (bar.write if progress else out)(report.line(family))
         first = first or report
@@ -128,7 +128,7 @@ def soak(family: str, chunks: int, every: int = 500, question_every: int = 100, 
                               f"{rss_tolerance} MiB over {first.rss_mib:.1f} MiB at chunk {first.chunk}")
         started = time.perf_counter()
     bar.close()
-    if reports[-1].compactions < 1:
+    if reports[-1].reindexes < 1:
         raise SoakFailure(f"{family}: no re-indexing ran in {chunks} chunks; positions were never exercised")
     return reports
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         rss = "n/a" if last.rss_mib is None else f"{last.rss_mib - first.rss_mib:+.1f} MiB"
         print(f"{family}: {args.chunks} chunks OK: RSS {rss} since chunk {first.chunk}, live tensor bytes "
               f"unchanged ({last.tensor_bytes / 2**20:.3f} MiB), positions {last.positions[0]}..{last.positions[1]} "
-              f"< {args.max_positions}, {last.steps} steps, {last.compactions} re-indexings")
+              f"< {args.max_positions}, {last.steps} steps, {last.reindexes} re-indexings")
     return 0
 
 

@@ -198,7 +198,7 @@ def h2svc_floor_bytes(inputs: H2SVCInputs) -> dict[str, int]:
     for cls, block in inputs.blocks.items():
         rows, W, moved = cfg.num_rows(cls) * B, block.window, inputs.movers[cls]
         retained = rows * W * T  # tokens in the home slots after the step (full memories)
-        if inputs.reindex:
+        if bool(inputs.clock.reindexed):
             step += 2 * retained * D * item + 2 * moved * T * D * item + 2 * retained * axes * 8
         else:
             step += 4 * moved * T * D * item + 2 * moved * T * axes * 8
@@ -239,8 +239,7 @@ def setup_h2svc_step(inputs: H2SVCInputs, backend: str) -> Case:
     def run():
         for cls, block in inputs.blocks.items():
             op(block.keys, block.values, block.positions, block.slot_frames, spec.h2svc_cfg, cls, inputs.inv_freq,
-               section, held=block.window, num_frames=spec.chunk_frames, first_frame=inputs.first_frame,
-               reindex=inputs.reindex, next_position=inputs.next_position, features=block.features)
+               section, clock=inputs.clock.at(block.window), features=block.features)
 
     return Case(run=run, bytes_moved=h2svc_floor_bytes(inputs)["step"], reset=inputs.reset, has_floor=True)
 

@@ -116,7 +116,7 @@ class _LayerView(CacheLayerMixin):
 
 
 def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
-               mrope_section: Sequence[int] | RotaryLayout | None,
+               rotary: Sequence[int] | RotaryLayout | None,
                layer_devices: Sequence[torch.device | str] | None,
                stack_bounds: Sequence[int]) -> list[tuple[torch.device, int, int]]:
     """Check a cache's geometry and split its layers into runs that share one buffer: (device, first, end) for
@@ -133,7 +133,7 @@ def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim:
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,):
         raise ValueError(f"inv_freq: expected a tensor of shape [D/2={head_dim // 2}], got "
                          f"{getattr(inv_freq, 'shape', type(inv_freq).__name__)}")
-    RotaryLayout.of(mrope_section, head_dim // 2)  # ValueError / TypeError naming mrope_section
+    RotaryLayout.of(rotary, head_dim // 2)  # ValueError / TypeError naming rotary
     devices = [torch.device(d) for d in (layer_devices or [inv_freq.device] * num_layers)]
     if len(devices) != num_layers:
         raise ValueError(f"layer_devices: expected one device per layer ({num_layers}), got {len(devices)}")
@@ -165,14 +165,14 @@ class StreamCacheBase(Cache):
     Their in-place step runs through `_step_in_place`.
     """
 
-    def _init_stream(self, num_layers: int, batch_size: int, mrope_section: Sequence[int] | RotaryLayout | None,
+    def _init_stream(self, num_layers: int, batch_size: int, rotary: Sequence[int] | RotaryLayout | None,
                      head_dim: int) -> None:
-        """The shared fields (call first: the layer views hold only a weak proxy of the cache). `mrope_section`
+        """The shared fields (call first: the layer views hold only a weak proxy of the cache). `rotary`
         is stored as the `RotaryLayout` of D/2 pairs every rotation of the cache reads (1D RoPE included)."""
-        self.mrope_section = RotaryLayout.of(mrope_section, head_dim // 2)
+        self.rotary = RotaryLayout.of(rotary, head_dim // 2)
         self._batch_size = batch_size
         self._steps = 0
-        self._compactions = 0
+        self._reindexes = 0
         # set while an in-place step may have written below the length; only reset() clears it
         self._undefined = False
         self._context: dict | None = None
@@ -182,7 +182,7 @@ class StreamCacheBase(Cache):
     def _reset_stream(self) -> None:
         """The shared part of `reset()`: step counters 0, `undefined` cleared."""
         self._steps = 0
-        self._compactions = 0
+        self._reindexes = 0
         self._undefined = False
 
     # ---- what every forward and step checks first ---------------------------------------------------------
@@ -219,7 +219,7 @@ class StreamCacheBase(Cache):
     @property
     def mrope(self) -> bool:
         """Positions carry three axes (t, h, w): [..., 3, N] instead of [..., N]."""
-        return self.mrope_section.num_axes == 3
+        return self.rotary.num_axes == 3
 
     @property
     def is_compileable(self) -> bool:
@@ -335,9 +335,9 @@ class StreamCacheBase(Cache):
         An exception escaping it leaves the cache `undefined` (the writes may be half done); on success the step
         counters move."""
         self._undefined = True
-        result, compacted = step()
+        result, reindexed = step()
         self._steps += 1
-        self._compactions += int(compacted)
+        self._reindexes += int(reindexed)
         self._undefined = False
         return result
 

@@ -48,7 +48,7 @@ class ModelGeometry:
     dtype:         keys' and values' storage dtype (the model's).
     max_positions: the model's max_position_embeddings.
     prefix_len:    P, tokens of the stream's system prefix.
-    inv_freq:      [D/2] rotary inverse frequencies from the model's rotary module; mrope_section: the axis of
+    inv_freq:      [D/2] rotary inverse frequencies from the model's rotary module; rotary: the axis of
                    each frequency pair (`RotaryLayout`), or None for 1D RoPE (`ModelFamily.rotary`).
     layer_devices: the device of every layer (a model split with `device_map` has several).
     """
@@ -61,7 +61,7 @@ class ModelGeometry:
     max_positions: int
     prefix_len: int
     inv_freq: torch.Tensor
-    mrope_section: RotaryLayout | None
+    rotary: RotaryLayout | None
     layer_devices: list[torch.device]
 
     @classmethod
@@ -70,11 +70,11 @@ class ModelGeometry:
         text_config = stream.model.config.get_text_config()
         layers = stream.language_model.layers
         attention = layers[0].self_attn
-        inv_freq, mrope_section = stream.family.rotary(stream.model)
+        inv_freq, rotary = stream.family.rotary(stream.model)
         return cls(num_layers=len(layers), num_heads=text_config.num_attention_heads,
                    num_kv_heads=text_config.num_key_value_heads, head_dim=attention.head_dim,
                    dtype=attention.k_proj.weight.dtype, max_positions=text_config.max_position_embeddings,
-                   prefix_len=len(stream.prefix_ids), inv_freq=inv_freq, mrope_section=mrope_section,
+                   prefix_len=len(stream.prefix_ids), inv_freq=inv_freq, rotary=rotary,
                    layer_devices=[layer.self_attn.k_proj.weight.device for layer in layers])
 
 

@@ -168,7 +168,7 @@ class HermesStream:
             return self.policy.guidance_scores(self, layers)
 
     def stats(self) -> dict:
-        """length, capacity, positions (smallest, largest), steps, compactions, bytes_allocated."""
+        """length, capacity, positions (smallest, largest), steps, reindexes, bytes_allocated."""
         return self.cache.stats()
 
     def check_room(self, count: int) -> None:

@@ -8,16 +8,16 @@ are tested against are `hermes_kernels.policies.hermes.reference` and `hermes_ke
 
 The library imports torch and triton only. This module re-exports the public names (docs/api.md lists every path).
 """
-from .dispatch import BACKENDS, resolve_backend
-from .launch import launch_count
+from .policies.h2svc.clock import StreamClock
 from .policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from .policies.h2svc.ops import frame_features, h2svc_step, stce_select
 from .policies.hermes.config import HermesConfig
 from .policies.hermes.ops import compact, compress_stacks, compress_step, hermes_scores, pooled_attention, select_keep
-from .results import CompressResult, H2SVCStepResult
+from .results import CompressResult, H2SVCChunkResult, H2SVCStepResult
 from .rope import RotaryLayout
+from .version import __version__
 
 __all__ = ["pooled_attention", "hermes_scores", "select_keep", "compact", "compress_step", "compress_stacks",
-           "frame_features", "stce_select", "h2svc_step", "HermesConfig", "H2SVCConfig", "CompressResult",
-           "H2SVCStepResult", "RotaryLayout", "INSTANT", "SHORT", "EPISODIC", "BACKENDS", "resolve_backend",
-           "launch_count"]
+           "frame_features", "stce_select", "h2svc_step", "HermesConfig", "H2SVCConfig", "StreamClock",
+           "RotaryLayout", "INSTANT", "SHORT", "EPISODIC", "CompressResult", "H2SVCStepResult", "H2SVCChunkResult",
+           "__version__"]

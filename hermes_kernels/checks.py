@@ -76,12 +76,12 @@ def check_positions(positions, leading: list[int], length: int, layout: RotaryLa
     check_same_device("positions", positions, "keys", keys)
 
 
-def check_rotary(inv_freq, mrope_section: Sequence[int] | RotaryLayout | None, head_dim: int) -> RotaryLayout:
-    """inv_freq [D/2] float; mrope_section None (1D RoPE), three pair counts (t, h, w) summing to D/2 (contiguous
+def check_rotary(inv_freq, rotary: Sequence[int] | RotaryLayout | None, head_dim: int) -> RotaryLayout:
+    """inv_freq [D/2] float; rotary None (1D RoPE), three pair counts (t, h, w) summing to D/2 (contiguous
     sections) or a RotaryLayout of D/2 pairs. Returns the layout every rotation of the op reads."""
     check_tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[D/2]")
     if inv_freq.numel() != head_dim // 2:
         raise ValueError(f"inv_freq: expected [D/2={head_dim // 2}], got {tuple(inv_freq.shape)}")
-    return RotaryLayout.of(mrope_section, head_dim // 2)
+    return RotaryLayout.of(rotary, head_dim // 2)
 
 

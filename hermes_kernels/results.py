@@ -18,19 +18,14 @@ class CompressResult:
     length:    int, valid slots per layer afterwards (P + min(budget, V)); every layer has the same length.
     keep:      int64 [L, B, n], kept visual indices (relative to P) ascending, -1 padded; n = min(budget, V).
     scores:    float32 [L, B, V], the smoothed scores S~ that selection used (§2.4).
-    compacted_flag: 0-dim bool tensor (on the cache's device, or attn's for a split cache); `compacted` reads it
-                    (one host sync, on demand).
+    reindexed: 0-dim bool tensor on the cache's device (attn's for a split cache): whether positions were
+               re-indexed (left-compacted) in this step (§2.7); `bool(result.reindexed)` reads it (one host sync).
     """
 
     length: int
     keep: torch.Tensor
     scores: torch.Tensor
-    compacted_flag: torch.Tensor
-
-    @property
-    def compacted(self) -> bool:
-        """True when positions were re-indexed (left-compacted) in this step (§2.7)."""
-        return bool(self.compacted_flag)
+    reindexed: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -38,24 +33,25 @@ class H2SVCStepResult:
     """What one `h2svc_step` did to a class block (docs/h2svc.md §7).
 
     held:      int, frames in the home slots afterwards (held' = min(W, held + F)), the same for every row.
-    kept:      int64 [H_c, B, W], the stream frame index in each home slot afterwards, −1 beyond `held`
+    keep:      int64 [H_c, B, W], the stream frame index in each home slot afterwards, −1 beyond `held`
                (the step returns the updated `slot_frames` tensor itself).
-    compacted: bool, whether positions were re-indexed (the caller's `reindex`).
+    reindexed: 0-dim bool tensor on the CPU, whether positions were re-indexed (the clock's decision, which the
+               step returns itself).
     """
 
     held: int
-    kept: torch.Tensor
-    compacted: bool
+    keep: torch.Tensor
+    reindexed: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class H2SVCChunkResult:
     """What one step of a whole H2SVC cache did after a chunk (`H2SVCCache.step`): the chunk's frames
-    (`first_frame`, `num_frames`), frames now held per class name, whether positions were re-indexed and the
-    stream's next position afterwards."""
+    (`first_frame`, `num_frames`), frames now held per class name, whether positions were re-indexed (`reindexed`,
+    a 0-dim bool tensor on the CPU) and the stream's next position afterwards."""
 
     first_frame: int
     num_frames: int
     held: dict
-    compacted: bool
+    reindexed: torch.Tensor
     next_position: int

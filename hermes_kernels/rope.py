@@ -34,11 +34,11 @@ class RotaryLayout:
     def __post_init__(self):
         axis = tuple(self.axis)
         if self.num_axes not in (1, 3):
-            raise ValueError(f"mrope_section: a layout has 1 axis (1D RoPE) or 3 (M-RoPE: t, h, w), "
-                             f"got num_axes={self.num_axes!r}")
+            raise ValueError(f"RotaryLayout.num_axes: a layout has 1 axis (1D RoPE) or 3 (M-RoPE: t, h, w), "
+                             f"got {self.num_axes!r}")
         if not axis or any(isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < self.num_axes
                            for a in axis):
-            raise ValueError(f"mrope_section: expected one axis in [0, {self.num_axes}) per frequency pair, "
+            raise ValueError(f"RotaryLayout.axis: expected one axis in [0, {self.num_axes}) per frequency pair, "
                              f"got {axis!r}")
         object.__setattr__(self, "axis", axis)
 
@@ -46,7 +46,7 @@ class RotaryLayout:
     def one_d(cls, pairs: int) -> "RotaryLayout":
         """1D RoPE over `pairs` = D/2 frequency pairs: every pair turns with the one position."""
         if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
-            raise ValueError(f"mrope_section: a 1D layout needs a positive pair count, got {pairs!r}")
+            raise ValueError(f"pairs: a 1D layout needs a positive pair count, got {pairs!r}")
         return cls((0,) * pairs, 1)
 
     @classmethod
@@ -70,20 +70,23 @@ class RotaryLayout:
 
     @classmethod
     def of(cls, rotary, pairs: int) -> "RotaryLayout":
-        """The layout an op's `mrope_section` argument describes, over `pairs` = D/2 frequency pairs: None is 1D
-        RoPE, three pair counts are contiguous sections (the historical meaning), a RotaryLayout is itself.
-        ValueError/TypeError naming `mrope_section` unless it covers exactly `pairs` pairs."""
+        """The layout an op's `rotary` argument describes, over `pairs` = D/2 frequency pairs: None is 1D RoPE,
+        three pair counts are contiguous sections (Qwen2.5-VL's `mrope_section`), a RotaryLayout is itself.
+        ValueError/TypeError naming `rotary` unless it covers exactly `pairs` pairs."""
         if rotary is None:
             return cls.one_d(pairs)
         if isinstance(rotary, RotaryLayout):
             layout = rotary
         elif isinstance(rotary, (Sequence, torch.Tensor)) and not isinstance(rotary, (str, bytes)):
-            layout = cls.sections(rotary)
+            try:
+                layout = cls.sections(rotary)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"rotary: {str(error).removeprefix('mrope_section: ')}") from error
         else:
-            raise TypeError(f"mrope_section: expected None, three pair counts (t, h, w) or a RotaryLayout, got "
+            raise TypeError(f"rotary: expected None, three pair counts (t, h, w) or a RotaryLayout, got "
                             f"{type(rotary).__name__}")
         if layout.pairs != pairs:
-            raise ValueError(f"mrope_section: {layout.describe()} covers {layout.pairs} frequency pairs, expected "
+            raise ValueError(f"rotary: {layout.describe()} covers {layout.pairs} frequency pairs, expected "
                              f"D/2={pairs}")
         return layout
 
@@ -137,14 +140,14 @@ def _axis_tensor(layout: RotaryLayout, device: str) -> torch.Tensor:
 
 
 def rotary_angles(delta: torch.Tensor, inv_freq: torch.Tensor,
-                  mrope_section: Sequence[int] | RotaryLayout | None = None,
+                  rotary: Sequence[int] | RotaryLayout | None = None,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rotation angles [..., T, D/2] for integer position deltas.
 
-    delta: int64 [..., T] (1D layout) or [..., 3, T] (M-RoPE: t, h, w deltas); inv_freq: [D/2]; mrope_section:
-    anything `RotaryLayout.of` takes. Each frequency pair takes the delta of its own axis (`RotaryLayout.axis`).
+    delta: int64 [..., T] (1D layout) or [..., 3, T] (M-RoPE: t, h, w deltas); inv_freq: [D/2]; rotary: anything
+    `RotaryLayout.of` takes. Each frequency pair takes the delta of its own axis (`RotaryLayout.axis`).
     """
-    layout = RotaryLayout.of(mrope_section, inv_freq.numel())
+    layout = RotaryLayout.of(rotary, inv_freq.numel())
     freq = inv_freq.to(device=delta.device, dtype=dtype)
     if layout.num_axes == 1:
         return delta.to(dtype).unsqueeze(-1) * freq  # every pair turns with the one position: a broadcast
@@ -156,22 +159,22 @@ def rotary_angles(delta: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def rotary_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor,
-                   mrope_section: Sequence[int] | RotaryLayout | None = None,
+                   rotary: Sequence[int] | RotaryLayout | None = None,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., T, D/2] of `rotary_angles` (fp32 unless `dtype` says otherwise)."""
-    angle = rotary_angles(delta, inv_freq, mrope_section, dtype)
+    angle = rotary_angles(delta, inv_freq, rotary, dtype)
     return angle.cos(), angle.sin()
 
 
 def apply_rotary_delta(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor,
-                       mrope_section: Sequence[int] | RotaryLayout | None = None) -> torch.Tensor:
+                       rotary: Sequence[int] | RotaryLayout | None = None) -> torch.Tensor:
     """Rotate x [..., T, D] by delta·inv_freq (§2.8); returns a new tensor in x's dtype.
 
-    delta: int64 [..., T] or, for M-RoPE, [..., 3, T], broadcastable against x's leading dims; mrope_section:
-    anything `RotaryLayout.of` takes. Arithmetic in fp32 (fp64 when x is fp64).
+    delta: int64 [..., T] or, for M-RoPE, [..., 3, T], broadcastable against x's leading dims; rotary: anything
+    `RotaryLayout.of` takes. Arithmetic in fp32 (fp64 when x is fp64).
     """
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = rotary_cos_sin(delta, inv_freq, mrope_section, work)
+    cos, sin = rotary_cos_sin(delta, inv_freq, rotary, work)
     half = x.shape[-1] // 2
     xf = x.to(work)
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -179,13 +182,13 @@ def apply_rotary_delta(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Ten
     return out.to(x.dtype)
 
 
-def compact_positions(kept: torch.Tensor, prefix_len: int) -> torch.Tensor:
+def compact_positions(positions: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """Left-compacted positions for retained visual tokens (appendix E, §2.7).
 
-    kept: int64 [n] (1D) or [3, n] (M-RoPE), the old positions of the retained visual tokens of one layer
+    positions: int64 [n] (1D) or [3, n] (M-RoPE), the old positions of the retained visual tokens of one layer
     and stream. Each axis separately: new = prefix_len + rank of the value among the distinct retained
     values of that axis (dense rank, so equal coordinates stay equal and order is preserved).
     """
-    rows = kept.unsqueeze(0) if kept.dim() == 1 else kept
+    rows = positions.unsqueeze(0) if positions.dim() == 1 else positions
     ranks = torch.stack([torch.unique(axis_values, sorted=True, return_inverse=True)[1] for axis_values in rows])
-    return prefix_len + (ranks[0] if kept.dim() == 1 else ranks)
+    return prefix_len + (ranks[0] if positions.dim() == 1 else ranks)

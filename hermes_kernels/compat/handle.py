@@ -128,7 +128,7 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def accelerate(model: Any, backend: str = "auto", guidance: str = "released", kind: str = "auto", *,
+def accelerate(model: Any, *, backend: str = "auto", guidance: str = "released", kind: str = "auto",
                parts: Sequence[str] = PARTS, schedule: ReleasedSchedule | None = None,
                contiguous: bool = False) -> Accelerated:
     """Speed up one instance of the released HERMES classes (or of a fork keeping their attributes) in place.

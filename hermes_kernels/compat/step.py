@@ -170,7 +170,7 @@ class CompressionStep:
                 pos = fresh.to(torch.float32).expand(3, N).clone() if qwen else fresh
             positions.append(pos)
         check_position_values(positions, self.kind, P, what)
-        flag = self._reindex_flag(positions)
+        flag = self._decide_reindex(positions)
         cfg = self.config(budget, P)
         section = tuple(m._mrope_section) if qwen else None
         new_pairs, new_positions = [], []
@@ -179,8 +179,8 @@ class CompressionStep:
             work = pos.to(device=k.device, dtype=torch.int64, copy=True)
             work = work.view(1, 1, 3, N) if qwen else work.view(1, 1, N)
             length, _ = ops.compact(k.unsqueeze(0), v.unsqueeze(0), work, keep.to(k.device), cfg,
-                                    self._freq(k.device), section, self.backend, layers=range(layer, layer + 1),
-                                    compacted_flag=flag.to(k.device))
+                                    self._freq(k.device), section, backend=self.backend,
+                                    layers=range(layer, layer + 1), reindexed=flag.to(k.device))
             k_new, v_new = k[:, :, :length], v[:, :, :length]
             if self.contiguous:
                 k_new, v_new = k_new.contiguous(), v_new.contiguous()
@@ -193,7 +193,7 @@ class CompressionStep:
             cache[layer] = pos
         self.stats["shrinks"] += 1
 
-    def _reindex_flag(self, positions: list[torch.Tensor]) -> torch.Tensor:
+    def _decide_reindex(self, positions: list[torch.Tensor]) -> torch.Tensor:
         """The released rule as a 0-dim bool: always when not streaming; else once the largest position exceeds
         max_position_embeddings - margin, LLaVA-OV reading each layer's last entry, Qwen2.5-VL its maximum."""
         device = positions[0].device

@@ -105,11 +105,11 @@ def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
 
 def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
     cases = [c for c in guard_module.spec_cases() if isinstance(c, H2SVCCase)]
-    seen = {(c.dtype, c.rotary.kind, c.head_dim, c.reindex) for c in cases}
+    seen = {(c.dtype, c.rotary.kind, c.head_dim, c.reindexing) for c in cases}
     assert seen == {(dtype, kind, dim, reindex) for dtype in DTYPES for kind, dim in ROPE_DIMS
                     for reindex in (False, True)}
     for model in HEADLINE:
-        at = {(c.chunk_frames, c.reindex, c.dtype) for c in cases if c.label.startswith(model + " ")}
+        at = {(c.chunk_frames, c.reindexing, c.dtype) for c in cases if c.label.startswith(model + " ")}
         assert at >= {(f, r, d) for f in (16, 8) for r in (False, True)
                       for d in DTYPES}, model
     assert {c.batch for c in cases} == {1, 2}
@@ -126,7 +126,7 @@ def test_h2svc_step_spec_launches_what_a_step_of_every_class_block_launches(rein
     re-indexing (every retained key rotates) or one per overflow slot (the F arrivals) otherwise."""
     spec = next(s for s in gpu_specs.registered_specs() if s.name == f"{step_kernels.__name__}._gpu_spec")
     case = next(c for c in guard_module.spec_cases(["llava-ov-7b"], ["fp16"], [1], ["h2svc"])
-                if c.chunk_frames == 16 and c.reindex is reindex)
+                if c.chunk_frames == 16 and c.reindexing is reindex)
     with recording() as launches:
         spec.drive(case)
     cfg, F, T = case.cfg, case.chunk_frames, case.cfg.tokens_per_frame

@@ -36,7 +36,7 @@ ISOLATED = textwrap.dedent("""
     inv_freq = 1.0 / 1e4 ** (torch.arange(0, D, 2) / D)
     attn = hk.pooled_attention(torch.randn(L, B, 4, 5, D), keys, backend="triton")[:, :, P:]
     out = hk.compress_step(keys, values, positions, attn, cfg, inv_freq, backend="torch")
-    assert out.length == P + 20 and out.compacted
+    assert out.length == P + 20 and bool(out.reindexed)
 
     h2 = hk.H2SVCConfig.llava_ov(num_layers=L, num_kv_heads=Hkv, prefix_len=P, tokens_per_frame=2,
                                  episodic_frames=3)
@@ -45,8 +45,9 @@ ISOLATED = textwrap.dedent("""
     k, v = torch.randn(2, rows, B, C, D).unbind(0)
     features = hk.frame_features(v[:, :, P:P + W * 2], 2)
     step = hk.h2svc_step(k, v, torch.arange(C).repeat(rows, B, 1), torch.arange(W).repeat(rows, B, 1), h2,
-                         hk.EPISODIC, inv_freq, held=W, num_frames=F, first_frame=W, reindex=True, next_position=C,
-                         features=features, backend="torch")
+                         hk.EPISODIC, inv_freq, features=features, backend="torch",
+                         clock=hk.StreamClock(held=W, num_frames=F, first_frame=W, reindexed=torch.tensor(True),
+                                              next_position=C))
     assert step.held == W
     loaded = sorted(name for name in sys.modules if name.split(".")[0] in {forbidden!r})
     assert not loaded, loaded

@@ -154,16 +154,17 @@ def test_axis_tensor_is_built_once_per_device():
     (lambda: RotaryLayout.sections([0, 0, 0]), ValueError, "mrope_section"),
     (lambda: RotaryLayout.sections("abc"), TypeError, "mrope_section: expected three pair counts"),
     (lambda: RotaryLayout.interleaved([1, 3, 3]), ValueError, r"mrope_section: interleaved \[1, 3, 3\]"),
-    (lambda: RotaryLayout.one_d(0), ValueError, "mrope_section: a 1D layout"),
-    (lambda: RotaryLayout((0, 3), 3), ValueError, r"mrope_section: expected one axis in \[0, 3\)"),
-    (lambda: RotaryLayout((0, 1), 2), ValueError, "mrope_section: a layout has 1 axis"),
-    (lambda: RotaryLayout((), 1), ValueError, "mrope_section"),
-    (lambda: RotaryLayout.of([2, 3, 3], 9), ValueError, "covers 8 frequency pairs, expected D/2=9"),
+    (lambda: RotaryLayout.one_d(0), ValueError, "pairs: a 1D layout"),
+    (lambda: RotaryLayout((0, 3), 3), ValueError, r"RotaryLayout\.axis: expected one axis in \[0, 3\)"),
+    (lambda: RotaryLayout((0, 1), 2), ValueError, r"RotaryLayout\.num_axes: a layout has 1 axis"),
+    (lambda: RotaryLayout((), 1), ValueError, r"RotaryLayout\.axis"),
+    (lambda: RotaryLayout.of([2, 3, 3], 9), ValueError, "rotary: .* covers 8 frequency pairs, expected D/2=9"),
     (lambda: RotaryLayout.of(RotaryLayout.interleaved([2, 1, 1]), 8), ValueError, "M-RoPE interleaved"),
-    (lambda: RotaryLayout.of("233", 8), TypeError, "mrope_section: expected None, three pair counts"),
-    (lambda: RotaryLayout.of(3, 8), TypeError, "mrope_section"),
+    (lambda: RotaryLayout.of("233", 8), TypeError, "rotary: expected None, three pair counts"),
+    (lambda: RotaryLayout.of([2, 3], 5), ValueError, "rotary: expected three non-negative pair counts"),
+    (lambda: RotaryLayout.of(3, 8), TypeError, "rotary"),
 ], ids=["two-counts", "negative", "empty", "letters", "interleaved-overflow", "1d-empty", "axis-range",
-        "two-axes", "no-pairs", "of-pairs", "of-layout-pairs", "of-str", "of-int"])
+        "two-axes", "no-pairs", "of-pairs", "of-layout-pairs", "of-str", "of-two-counts", "of-int"])
 def test_layout_errors_name_the_argument(bad, error, match):
     with pytest.raises(error, match=match):
         bad()

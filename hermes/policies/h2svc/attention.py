@@ -77,7 +77,7 @@ def class_attention(module: torch.nn.Module, cache, layer: int, query: torch.Ten
     [B, T, H, D], None), as transformers' attention functions do.
     """
     delta = cache.incoming_delta(layer).unsqueeze(1)  # [B, 1, T] or [B, 1, 3, T]: the same for every head
-    query = apply_rotary_delta(query, delta, cache.layer_inv_freq(layer), cache.mrope_section)
+    query = apply_rotary_delta(query, delta, cache.layer_inv_freq(layer), cache.rotary)
     B, H, T, D = query.shape
     parts = cache.layer_parts(layer)
     out = None if len(parts) == 1 else query.new_empty(B, T, H, D)

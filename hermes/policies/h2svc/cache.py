@@ -49,6 +49,7 @@ from hermes_kernels.checks import check_positive_int
 from hermes_kernels.dispatch import check_backend
 from hermes_kernels.dtypes import CACHE_DTYPES
 from hermes_kernels.policies.h2svc.checks import check_h2svc_step
+from hermes_kernels.policies.h2svc.clock import StreamClock
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, H2SVCConfig, class_id
 from hermes_kernels.results import H2SVCChunkResult
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
@@ -81,21 +82,21 @@ class H2SVCCache(StreamCacheBase):
                         capacity formula adds both).
         dtype:          storage dtype of keys/values (the model's).
         inv_freq:       [D/2] rotary inverse frequencies taken from the model's rotary module.
-        mrope_section:  which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
+        rotary:  which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
                         sections, Qwen3-VL's interleaved ones), three contiguous pair counts (t, h, w), or None
-                        for 1D RoPE; stored as the `RotaryLayout` (`self.mrope_section`, 1D included).
+                        for 1D RoPE; stored as the `RotaryLayout` (`self.rotary`, 1D included).
         layer_devices:  the device of every layer (default: inv_freq's); stack_bounds: extra block boundaries
                         between layers on one device (lays out a device split on one device; same results).
     """
 
     def __init__(self, cfg: H2SVCConfig, *, batch_size: int, num_heads: int, head_dim: int, chunk_frames: int,
                  room: int, dtype: torch.dtype, inv_freq: torch.Tensor,
-                 mrope_section: Sequence[int] | RotaryLayout | None = None,
+                 rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
         if not isinstance(cfg, H2SVCConfig):
             raise TypeError(f"cfg: expected an H2SVCConfig, got {type(cfg).__name__}")
         runs = layer_runs(cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=head_dim,
-                          inv_freq=inv_freq, mrope_section=mrope_section, layer_devices=layer_devices,
+                          inv_freq=inv_freq, rotary=rotary, layer_devices=layer_devices,
                           stack_bounds=stack_bounds)
         for name, value in (("num_heads", num_heads), ("chunk_frames", chunk_frames), ("room", room)):
             check_positive_int(name, value)
@@ -111,7 +112,7 @@ class H2SVCCache(StreamCacheBase):
         self.dtype = dtype
         self.chunk_frames = chunk_frames
         self.capacities = tuple(class_capacity(cfg, c, chunk_frames, room) for c in CLASSES)
-        self._init_stream(cfg.num_layers, batch_size, mrope_section, head_dim)
+        self._init_stream(cfg.num_layers, batch_size, rotary, head_dim)
         self.classes = tuple(c for c in CLASSES if cfg.num_rows(c))  # the non-empty classes
         self.blocks = allocate_blocks(cfg, runs, self.classes, self.capacities, batch_size=batch_size,
                                       head_dim=head_dim, dtype=dtype, mrope=self.mrope, inv_freq=inv_freq)
@@ -320,7 +321,7 @@ class H2SVCCache(StreamCacheBase):
             block = part.block
             if rotated is None:
                 rotated = apply_rotary_delta(key_states, fwd.delta[block.device].unsqueeze(1), block.inv_freq,
-                                             self.mrope_section)
+                                             self.rotary)
             start = fwd.starts[part.cls]
             block.keys[part.rows, :, start:start + count] = rotated[:, part.kv_heads].transpose(0, 1)
             block.values[part.rows, :, start:start + count] = value_states[:, part.kv_heads].transpose(0, 1)
@@ -390,11 +391,11 @@ class H2SVCCache(StreamCacheBase):
 
     def _counters(self) -> tuple:
         return (self._prefix, tuple(self._held), self._arrived, self._pending_extent, self._text,
-                self._frames_seen, self._next_position, self._steps, self._compactions)
+                self._frames_seen, self._next_position, self._steps, self._reindexes)
 
     def _restore_counters(self, saved: tuple) -> None:
         (self._prefix, held, self._arrived, self._pending_extent, self._text, self._frames_seen,
-         self._next_position, self._steps, self._compactions) = saved
+         self._next_position, self._steps, self._reindexes) = saved
         self._held = list(held)
 
     # ---- the step ---------------------------------------------------------------------------------------
@@ -416,31 +417,32 @@ class H2SVCCache(StreamCacheBase):
         held_after = [min(cfg.window(c), self._held[c] + F) if c in self.classes else 0 for c in CLASSES]
         # R (§4): every row's retained frames end at R - 1 after a re-index, R - 1 >= the largest one held
         next_position = cfg.prefix_len + max(held_after[c] for c in self.classes) * cfg.tokens_per_frame
+        clock = StreamClock(held=0, num_frames=F, first_frame=first, reindexed=torch.tensor(reindex),
+                            next_position=next_position)
         calls = []
         for block in self.blocks:
             args = (block.keys, block.values, block.positions, block.slot_frames, cfg, block.cls, block.inv_freq,
-                    self.mrope_section)
-            scalars = dict(held=self._held[block.cls], num_frames=F, first_frame=first, reindex=reindex,
-                           next_position=next_position, features=block.features)
-            check_h2svc_step(*args, **scalars)
-            calls.append((args, scalars))
+                    self.rotary)
+            block_clock = clock.at(self._held[block.cls])
+            check_h2svc_step(*args, block_clock, block.features)
+            calls.append((args, block_clock, block.features))
 
         def step() -> tuple[H2SVCChunkResult, bool]:
-            for args, scalars in calls:
-                hk.h2svc_step(*args, **scalars, backend=backend)
+            for args, block_clock, features in calls:
+                hk.h2svc_step(*args, clock=block_clock, features=features, backend=backend)
             self._held = held_after
             self._arrived = self._pending_extent = 0
             self._frames_seen += F
             self._next_position = next_position if reindex else largest + 1
-            return H2SVCChunkResult(first_frame=first, num_frames=F, held=self.held, compacted=reindex,
+            return H2SVCChunkResult(first_frame=first, num_frames=F, held=self.held, reindexed=clock.reindexed,
                                     next_position=self._next_position), reindex
 
         return self._step_in_place(step)
 
     def stats(self) -> dict:
-        """length, capacity, positions (smallest, largest), steps, compactions, bytes_allocated (as HERMES), plus
+        """length, capacity, positions (smallest, largest), steps, reindexes, bytes_allocated (as HERMES), plus
         frames_seen, held (frames per class name), next_position and bytes_per_class."""
         return {"length": self.length, "capacity": self.capacity, "positions": self.position_range(),
-                "steps": self._steps, "compactions": self._compactions, "bytes_allocated": self.nbytes(),
+                "steps": self._steps, "reindexes": self._reindexes, "bytes_allocated": self.nbytes(),
                 "frames_seen": self._frames_seen, "held": self.held, "next_position": self._next_position,
                 "bytes_per_class": self.class_nbytes()}

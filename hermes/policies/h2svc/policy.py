@@ -82,7 +82,7 @@ class H2SVCPolicy(StreamPolicy):
         self.cache = H2SVCCache(
             config, batch_size=stream.batch_size, num_heads=shape.num_heads, head_dim=shape.head_dim,
             chunk_frames=chunk_frames, room=stream.room, dtype=shape.dtype, inv_freq=shape.inv_freq,
-            mrope_section=shape.mrope_section, layer_devices=shape.layer_devices)
+            rotary=shape.rotary, layer_devices=shape.layer_devices)
 
     @staticmethod
     def _head_map(head_map, model):

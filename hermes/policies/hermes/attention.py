@@ -85,8 +85,8 @@ def layer_attention(module: torch.nn.Module, cache: HermesCache, layer: int, que
     start = key.shape[2] - query.shape[2]
     delta = cache.incoming_delta(layer).unsqueeze(1)  # [b, 1, T] or [b, 1, 3, T]: broadcast over heads
     inv_freq = cache.layer_inv_freq(layer)
-    query = apply_rotary_delta(query, delta, inv_freq, cache.mrope_section)
-    key[:, :, start:] = apply_rotary_delta(key[:, :, start:], delta, inv_freq, cache.mrope_section)
+    query = apply_rotary_delta(query, delta, inv_freq, cache.rotary)
+    key[:, :, start:] = apply_rotary_delta(key[:, :, start:], delta, inv_freq, cache.rotary)
     if cache.guidance is not None:
         return _guidance_attention(module, cache, layer, query, key, value, start, attention_mask, dropout,
                                    scaling, **kwargs)

@@ -64,9 +64,9 @@ class HermesCache(StreamCacheBase):
                         question and its answer. Must exceed prefix_len + budget.
         dtype:          storage dtype of keys/values (the model's).
         inv_freq:       [D/2] rotary inverse frequencies taken from the model's rotary module (§2.8).
-        mrope_section:  which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
+        rotary:  which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
                         sections, Qwen3-VL's interleaved ones), three contiguous pair counts (t, h, w), or None
-                        for 1D RoPE; stored as the `RotaryLayout` (`self.mrope_section`, 1D included).
+                        for 1D RoPE; stored as the `RotaryLayout` (`self.rotary`, 1D included).
         layer_devices:  the device of every layer (default: inv_freq's device for all); consecutive layers on
                         one device share a stack.
         stack_bounds:   layers at which a new stack starts even though the device does not change (ascending,
@@ -76,12 +76,12 @@ class HermesCache(StreamCacheBase):
 
     def __init__(self, cfg: HermesConfig, *, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, inv_freq: torch.Tensor,
-                 mrope_section: Sequence[int] | RotaryLayout | None = None,
+                 rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
         if not isinstance(cfg, HermesConfig):
             raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
         runs = layer_runs(cfg.num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          inv_freq=inv_freq, mrope_section=mrope_section, layer_devices=layer_devices,
+                          inv_freq=inv_freq, rotary=rotary, layer_devices=layer_devices,
                           stack_bounds=stack_bounds)
         check_positive_int("capacity", capacity)
         if capacity <= cfg.prefix_len + cfg.budget:
@@ -93,7 +93,7 @@ class HermesCache(StreamCacheBase):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self._init_stream(cfg.num_layers, batch_size, mrope_section, head_dim)
+        self._init_stream(cfg.num_layers, batch_size, rotary, head_dim)
         self._stacks: list[_Stack] = [self._allocate(device, first, end - first, inv_freq)
                                       for device, first, end in runs]
         self._stack_of_layer: list[tuple[_Stack, int]] = []
@@ -251,10 +251,10 @@ class HermesCache(StreamCacheBase):
         self._reset_stream()
 
     def _counters(self) -> tuple:
-        return self._length, self._steps, self._compactions
+        return self._length, self._steps, self._reindexes
 
     def _restore_counters(self, saved: tuple) -> None:
-        self._length, self._steps, self._compactions = saved
+        self._length, self._steps, self._reindexes = saved
 
     # ---- compression ------------------------------------------------------------------------------------
     def compress(self, attn: torch.Tensor, backend: str = "auto") -> CompressResult:
@@ -278,16 +278,16 @@ class HermesCache(StreamCacheBase):
         n = self._length
         stacks = [(range(s.first, s.first + s.keys.shape[0]), s.keys[:, :, :, :n], s.values[:, :, :, :n],
                    s.positions[..., :n], s.inv_freq) for s in self._stacks]
-        check_stacks(stacks, attn, self.cfg, self.mrope_section)
+        check_stacks(stacks, attn, self.cfg, self.rotary)
 
         def step() -> tuple[CompressResult, bool]:
-            result = hk.compress_stacks(stacks, attn, self.cfg, self.mrope_section, backend=backend)
+            result = hk.compress_stacks(stacks, attn, self.cfg, self.rotary, backend=backend)
             self._length = result.length
-            return result, result.compacted
+            return result, bool(result.reindexed)
 
         return self._step_in_place(step)
 
     def stats(self) -> dict:
-        """length, capacity, positions (smallest, largest), steps, compactions, bytes_allocated."""
+        """length, capacity, positions (smallest, largest), steps, reindexes, bytes_allocated."""
         return {"length": self._length, "capacity": self.capacity, "positions": self.position_range(),
-                "steps": self._steps, "compactions": self._compactions, "bytes_allocated": self.nbytes()}
+                "steps": self._steps, "reindexes": self._reindexes, "bytes_allocated": self.nbytes()}

@@ -60,7 +60,7 @@ class HermesPolicy(StreamPolicy):
         self.cache = HermesCache(
             config, batch_size=stream.batch_size, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             capacity=config.prefix_len + config.budget + stream.chunk_tokens + stream.room, dtype=shape.dtype,
-            inv_freq=shape.inv_freq, mrope_section=shape.mrope_section, layer_devices=shape.layer_devices)
+            inv_freq=shape.inv_freq, rotary=shape.rotary, layer_devices=shape.layer_devices)
         self.plan = GuidancePlan.from_config(config)
         self._prompt_ids: tuple[tuple, list] | None = None  # (last_convs, their prompts' token ids)
 

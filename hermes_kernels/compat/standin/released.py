@@ -49,7 +49,7 @@ class _ReleasedStandIn:
         self._layer_position_ids = {}
         self.conv_history = []
         self.boundary_margins: list[float] = []  # per selection: smallest relative score gap at a top-k boundary
-        self.compactions: list[bool] = []      # per shrink: whether positions were re-indexed
+        self.reindexes: list[bool] = []        # per shrink: whether positions were re-indexed
         if hooks:  # per-layer positions injected into each decoder layer's call, as the released classes do
             for index, layer in enumerate(self._decoder_layers()):
                 layer.register_forward_pre_hook(self._hook(index), with_kwargs=True)
@@ -178,7 +178,7 @@ class _ReleasedStandIn:
             if pos.numel():
                 top = max(top, self._largest(pos))
         compact = top > self._max_positions() - 1024 if self.streaming else True
-        self.compactions.append(bool(compact))
+        self.reindexes.append(bool(compact))
         old_positions = [p.clone() for p in self._position_ids_cache]
         shrunk = []
         for layer, (k, v) in enumerate(self.kv_cache):

@@ -17,6 +17,7 @@ import torch
 
 from ...checks import check_int, check_keys_values, check_positions, check_rotary, check_same_device, check_tensor
 from ...dtypes import CACHE_DTYPES, SCORE_DTYPES
+from .clock import StreamClock
 from .config import EPISODIC, H2SVCConfig, class_counts, class_id
 
 __all__ = ["check_config", "check_frame_features", "check_trajectory", "check_stce", "check_fifo",
@@ -89,24 +90,25 @@ def check_trajectory(features, times) -> None:
     _check_finite("features", features, "the frame features")
 
 
-def check_stce(features, frames, arriving, first_frame, capacity, contents: bool | None = None) -> int:
+def check_stce(features, slot_frames, arriving, first_frame, capacity, contents: bool | None = None) -> int:
     """Inputs of `stce_select` (docs/h2svc.md §3). Returns F, the number of arrivals.
 
-    features float32/float64 [H, B, W, D]: features of the held frames, any slot order; frames int64 [H, B, W]:
+    features float32/float64 [H, B, W, D]: features of the held frames, any slot order; slot_frames int64 [H, B, W]:
     their stream indices, −1 for an empty slot (valid ones distinct per row); arriving [H, B, F, D], features'
     dtype, in arrival order; first_frame int >= 0, stream index of arrival 0, newer than every held frame;
     capacity N_e int >= 2. Contents: at most `capacity` frames held per row, held and arriving features finite.
     """
     check_tensor("features", features, (4,), SCORE_DTYPES, "[H, B, W, D] float32")
-    check_tensor("frames", frames, (3,), (torch.int64,), "[H, B, W] int64")
+    check_tensor("slot_frames", slot_frames, (3,), (torch.int64,), "[H, B, W] int64")
     check_tensor("arriving", arriving, (4,), SCORE_DTYPES, "[H, B, F, D] float32")
-    check_same_device("frames", frames, "features", features)
+    check_same_device("slot_frames", slot_frames, "features", features)
     check_same_device("arriving", arriving, "features", features)
     H, B, W, D = features.shape
     if min(H, B, W, D) < 1:
         raise ValueError(f"features: expected [H, B, W, D] with every dimension >= 1, got {tuple(features.shape)}")
-    if tuple(frames.shape) != (H, B, W):
-        raise ValueError(f"frames: expected [H={H}, B={B}, W={W}] int64 like features, got {tuple(frames.shape)}")
+    if tuple(slot_frames.shape) != (H, B, W):
+        raise ValueError(f"slot_frames: expected [H={H}, B={B}, W={W}] int64 like features, got "
+                         f"{tuple(slot_frames.shape)}")
     if arriving.dtype != features.dtype:
         raise TypeError(f"arriving: dtype {arriving.dtype} differs from features' {features.dtype}")
     if arriving.shape[:2] != (H, B) or arriving.shape[3] != D or arriving.shape[2] < 1:
@@ -114,37 +116,36 @@ def check_stce(features, frames, arriving, first_frame, capacity, contents: bool
     check_int("first_frame", first_frame, 0)
     check_int("capacity", capacity, 2)
     if _read_contents(contents, features):
-        held = _check_held_frames("frames", frames, first_frame, "first_frame")
+        held = _check_held_frames("slot_frames", slot_frames, first_frame, "first_frame")
         if bool((held > capacity).any()):
-            raise ValueError(f"frames: a row holds {int(held.max())} frames, more than capacity={capacity}")
-        _check_finite("features", torch.where((frames >= 0)[..., None], features, 0), "held frames' features")
+            raise ValueError(f"slot_frames: a row holds {int(held.max())} frames, more than capacity={capacity}")
+        _check_finite("features", torch.where((slot_frames >= 0)[..., None], features, 0), "held frames' features")
         _check_finite("arriving", arriving, "the arriving features")
     return arriving.shape[2]
 
 
-def check_fifo(frames, first_frame, num_frames, window, contents: bool | None = None) -> None:
-    """Inputs of `fifo_keep`: frames int64 [H, B, W'] held frame indices (−1 empty, valid ones distinct and
+def check_fifo(slot_frames, first_frame, num_frames, window, contents: bool | None = None) -> None:
+    """Inputs of `fifo_keep`: slot_frames int64 [H, B, W'] held frame indices (−1 empty, valid ones distinct and
     older than first_frame), first_frame int >= 0, num_frames F >= 1, window W >= 1."""
-    check_tensor("frames", frames, (3,), (torch.int64,), "[H, B, W] int64")
-    if min(frames.shape) < 1:
-        raise ValueError(f"frames: expected [H, B, W] with every dimension >= 1, got {tuple(frames.shape)}")
+    check_tensor("slot_frames", slot_frames, (3,), (torch.int64,), "[H, B, W] int64")
+    if min(slot_frames.shape) < 1:
+        raise ValueError(f"slot_frames: expected [H, B, W] with every dimension >= 1, got {tuple(slot_frames.shape)}")
     check_int("first_frame", first_frame, 0)
     check_int("num_frames", num_frames, 1)
     check_int("window", window, 1)
-    if _read_contents(contents, frames):
-        _check_held_frames("frames", frames, first_frame, "first_frame")
+    if _read_contents(contents, slot_frames):
+        _check_held_frames("slot_frames", slot_frames, first_frame, "first_frame")
 
 
-def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held, num_frames,
-                     first_frame, reindex, next_position, features, contents: bool | None = None,
-                     arriving_values: bool = True) -> int:
+def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, rotary, clock, features,
+                     contents: bool | None = None, arriving_values: bool = True) -> int:
     """All checks of one `h2svc_step` on a class block (docs/h2svc.md §7), before anything is written.
     Returns the class as an int.
 
     keys/values [H_c, B, C, D] one dtype (fp16/bf16/fp32/fp64) and device, D even; positions int64 [H_c, B, C]
-    or [H_c, B, 3, C] (M-RoPE with mrope_section); slot_frames int64 [H_c, B, W], W = cfg.window(cls);
-    inv_freq [D/2]; held int in [0, W]; num_frames F >= 1; C >= P + (held + F)·T_f; first_frame int >= 0;
-    reindex bool; next_position int, and when reindex: >= P + min(W, held + F)·T_f.
+    or [H_c, B, 3, C] (M-RoPE with rotary); slot_frames int64 [H_c, B, W], W = cfg.window(cls); inv_freq [D/2];
+    clock a `StreamClock` (its fields checked by itself) with held <= W, C >= P + (held + F)·T_f and, when
+    it re-indexes, next_position >= P + min(W, held + F)·T_f.
     features: for EPISODIC a float32 [H_c, B, W, D] tensor (float64 for a float64 cache); None otherwise (ours:
     FIFO classes carry no features, so passing some is a caller bug).
     Contents: slot_frames[..., :held] distinct frame indices older than first_frame, slot_frames[..., held:]
@@ -161,28 +162,26 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, m
         raise ValueError(f"keys: expected H_c >= 1 rows and B >= 1 streams, got {tuple(keys.shape)}")
     if D < 2 or D % 2:
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
-    check_positions(positions, [H_c, B], C, check_rotary(inv_freq, mrope_section, D), keys)
+    check_positions(positions, [H_c, B], C, check_rotary(inv_freq, rotary, D), keys)
     check_tensor("slot_frames", slot_frames, (3,), (torch.int64,), f"[H_c, B, W={W}] int64")
     if tuple(slot_frames.shape) != (H_c, B, W):
         raise ValueError(f"slot_frames: expected [H_c={H_c}, B={B}, W={W}] int64 ({W} home slots of class "
                          f"{cls}), got {tuple(slot_frames.shape)}")
     check_same_device("slot_frames", slot_frames, "keys", keys)
-    check_int("held", held, 0)
+    if not isinstance(clock, StreamClock):
+        raise TypeError(f"clock: expected a StreamClock (held, num_frames, first_frame, reindexed, next_position), "
+                        f"got {type(clock).__name__}")
+    held, F, first_frame = clock.held, clock.num_frames, clock.first_frame
     if held > W:
-        raise ValueError(f"held: at most W={W} frames sit in the home slots, got {held}")
-    F = check_int("num_frames", num_frames, 1)
-    check_int("first_frame", first_frame, 0)
-    if not isinstance(reindex, bool):
-        raise TypeError(f"reindex: expected a bool (the caller's re-index decision), got {type(reindex).__name__}")
-    check_int("next_position", next_position, 0)
+        raise ValueError(f"clock.held: at most W={W} frames sit in the home slots, got {held}")
     P, T_f = cfg.prefix_len, cfg.tokens_per_frame
     if C < P + (held + F) * T_f:
         raise ValueError(f"keys: cache length C={C} cannot hold prefix_len={P} + (held={held} + num_frames={F}) "
                          f"frames of {T_f} tokens = {P + (held + F) * T_f}")
     held_after = min(W, held + F)
-    if reindex and next_position < P + held_after * T_f:
-        raise ValueError(f"next_position: re-indexing needs next_position >= prefix_len + {held_after} retained "
-                         f"frames of {T_f} tokens = {P + held_after * T_f}, got {next_position}")
+    if bool(clock.reindexed) and clock.next_position < P + held_after * T_f:
+        raise ValueError(f"clock.next_position: re-indexing needs next_position >= prefix_len + {held_after} retained "
+                         f"frames of {T_f} tokens = {P + held_after * T_f}, got {clock.next_position}")
     work = torch.float64 if keys.dtype == torch.float64 else torch.float32
     if cls == EPISODIC:
         check_tensor("features", features, (4,), (work,), f"[H_c, B, W={W}, D] {work}")
@@ -197,7 +196,7 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, m
             raise ValueError(f"slot_frames: the first held={held} home slots must all hold a frame (>= 0)")
         if bool((slot_frames[..., held:] != -1).any()):
             raise ValueError(f"slot_frames: home slots from held={held} on must be empty (-1)")
-        _check_held_frames("slot_frames", slot_frames[..., :held], first_frame, "first_frame")
+        _check_held_frames("slot_frames", slot_frames[..., :held], first_frame, "clock.first_frame")
         if cls == EPISODIC:
             _check_finite("features", features[..., :held, :], "the held frames' features")
             if arriving_values:

@@ -9,6 +9,7 @@ import torch
 
 from ...gpu_specs import meta
 from ...rope import RotaryLayout
+from .clock import StreamClock
 from .config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 
 
@@ -37,17 +38,15 @@ class H2SVCCase:
 
     label: str
     head_dim: int
-    mrope_section: tuple[int, int, int] | RotaryLayout | None
+    rotary: RotaryLayout | None  # None: 1D RoPE; stored as the RotaryLayout of D/2 pairs
     dtype: torch.dtype
     cfg: H2SVCConfig
     chunk_frames: int
-    reindex: bool
+    reindexing: bool
     batch: int = 1
 
-    @property
-    def rotary(self) -> RotaryLayout:
-        """The layout the case's `mrope_section` describes (None: 1D)."""
-        return RotaryLayout.of(self.mrope_section, self.head_dim // 2)
+    def __post_init__(self):
+        object.__setattr__(self, "rotary", RotaryLayout.of(self.rotary, self.head_dim // 2))
 
     @property
     def classes(self) -> tuple[int, ...]:
@@ -63,6 +62,11 @@ class H2SVCCase:
     def next_position(self) -> int:
         """The re-index target R: P + the largest retained visual token count over the classes."""
         return self.cfg.prefix_len + max(self.cfg.window(c) for c in self.classes) * self.cfg.tokens_per_frame
+
+    def clock(self, cls: int) -> StreamClock:
+        """The step's clock for class `cls`'s block: a full memory (held = W) and the chunk's frames."""
+        return StreamClock(held=self.cfg.window(cls), num_frames=self.chunk_frames, first_frame=self.first_frame,
+                           reindexed=torch.tensor(self.reindexing), next_position=self.next_position)
 
     def block(self, cls: int) -> H2SVCBlock:
         """The state of class `cls`'s block at the start of the step (after the chunk's prefill)."""

@@ -23,6 +23,7 @@ from ...results import H2SVCStepResult
 from ...rope import RotaryLayout, apply_rotary_delta, compact_positions
 from .checks import (check_attention_profile, check_fifo, check_frame_features, check_h2svc_step, check_head_scores,
                      check_stce, check_tad_pair, check_trajectory)
+from .clock import StreamClock
 from .config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 
 
@@ -30,14 +31,14 @@ from .config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 class STCETrace:
     """`stce_select`'s answer plus what each arrival evicted, so tests can draw tie-free inputs.
 
-    kept:    int64 [H, B, capacity], retained frame indices ascending, −1 padded.
+    keep:    int64 [H, B, capacity], retained frame indices ascending, −1 padded.
     evicted: int64 [H, B, F], the frame evicted after arrival i, −1 when nothing was (memory not full).
     gap:     float64 [H, B, F], second-lowest minus lowest evictable score at that eviction (+inf when no
              eviction happened or only one frame was evictable).
     margin:  float64 [H, B, F], gap / max(|lowest|, |second-lowest|) (0 for an exact tie of zeros, +inf as gap).
     """
 
-    kept: torch.Tensor
+    keep: torch.Tensor
     evicted: torch.Tensor
     gap: torch.Tensor
     margin: torch.Tensor
@@ -248,26 +249,26 @@ class _Trajectory:
         return out
 
 
-def stce_trace(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
+def stce_trace(features: torch.Tensor, slot_frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
                capacity: int) -> STCETrace:
     """STCE over one chunk of F arrivals for every row (docs/h2svc.md §3), with each eviction's score margin.
 
-    features: float32/float64 [H, B, W, D] held frames' features (any slot order); frames: int64 [H, B, W] their
+    features: float32/float64 [H, B, W, D] held frames' features (any slot order); slot_frames: int64 [H, B, W] their
     stream indices (−1 empty); arriving: [H, B, F, D] in arrival order, arrival i is frame first_frame + i;
     capacity: N_e >= 2. Per row: the held frames are linked in temporal order and scored, then the arrivals
     come one at a time; after each, if more than N_e frames are retained, the interior frame of lowest I is
     evicted (ties: the older frame; the oldest and newest frame never) and only its neighbours are rescored.
     """
-    F = check_stce(features, frames, arriving, first_frame, capacity, contents=True)
-    H, B = frames.shape[:2]
-    kept = torch.full((H, B, capacity), -1, dtype=torch.int64, device=frames.device)
-    evicted = torch.full((H, B, F), -1, dtype=torch.int64, device=frames.device)
-    gap = torch.full((H, B, F), math.inf, dtype=torch.float64, device=frames.device)
-    margin = torch.full((H, B, F), math.inf, dtype=torch.float64, device=frames.device)
+    F = check_stce(features, slot_frames, arriving, first_frame, capacity, contents=True)
+    H, B = slot_frames.shape[:2]
+    keep = torch.full((H, B, capacity), -1, dtype=torch.int64, device=slot_frames.device)
+    evicted = torch.full((H, B, F), -1, dtype=torch.int64, device=slot_frames.device)
+    gap = torch.full((H, B, F), math.inf, dtype=torch.float64, device=slot_frames.device)
+    margin = torch.full((H, B, F), math.inf, dtype=torch.float64, device=slot_frames.device)
     for h in range(H):
         for b in range(B):
             trajectory = _Trajectory()
-            held = sorted((int(t), slot) for slot, t in enumerate(frames[h, b].tolist()) if t >= 0)
+            held = sorted((int(t), slot) for slot, t in enumerate(slot_frames[h, b].tolist()) if t >= 0)
             for time, slot in held:
                 trajectory.append(features[h, b, slot], time)
             for i in range(F):
@@ -282,34 +283,34 @@ def stce_trace(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Ten
                     margin[h, b, i] = (second - lowest) / scale if scale > 0 else 0.0
                 trajectory.evict(node)
             times = trajectory.retained_times()
-            kept[h, b, :len(times)] = torch.tensor(times, dtype=torch.int64)
-    return STCETrace(kept=kept, evicted=evicted, gap=gap, margin=margin)
+            keep[h, b, :len(times)] = torch.tensor(times, dtype=torch.int64)
+    return STCETrace(keep=keep, evicted=evicted, gap=gap, margin=margin)
 
 
-def stce_select(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
+def stce_select(features: torch.Tensor, slot_frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
                 capacity: int) -> torch.Tensor:
     """Kept frame indices per row after one chunk of arrivals, int64 [H, B, capacity], ascending, −1 padded
     (docs/h2svc.md §3; arguments as `stce_trace`, the same contract as `hermes_kernels.stce_select`)."""
-    return stce_trace(features, frames, arriving, first_frame, capacity).kept
+    return stce_trace(features, slot_frames, arriving, first_frame, capacity).keep
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # FIFO classes (instant, short)
 # ---------------------------------------------------------------------------------------------------------------
 
-def fifo_keep(frames: torch.Tensor, first_frame: int, num_frames: int, window: int) -> torch.Tensor:
+def fifo_keep(slot_frames: torch.Tensor, first_frame: int, num_frames: int, window: int) -> torch.Tensor:
     """Kept frame indices of FIFO heads after a chunk, int64 [H, B, window], ascending, −1 padded (docs/h2svc.md §1):
-    the newest `window` of the held frames (frames int64 [H, B, W'], −1 empty) and the arrivals
+    the newest `window` of the held frames (slot_frames int64 [H, B, W'], −1 empty) and the arrivals
     first_frame, …, first_frame + num_frames − 1."""
-    check_fifo(frames, first_frame, num_frames, window, contents=True)
-    H, B = frames.shape[:2]
-    kept = torch.full((H, B, window), -1, dtype=torch.int64, device=frames.device)
+    check_fifo(slot_frames, first_frame, num_frames, window, contents=True)
+    H, B = slot_frames.shape[:2]
+    keep = torch.full((H, B, window), -1, dtype=torch.int64, device=slot_frames.device)
     for h in range(H):
         for b in range(B):
-            held = sorted(t for t in frames[h, b].tolist() if t >= 0)
+            held = sorted(t for t in slot_frames[h, b].tolist() if t >= 0)
             newest = (held + list(range(first_frame, first_frame + num_frames)))[-window:]
-            kept[h, b, :len(newest)] = torch.tensor(newest, dtype=torch.int64)
-    return kept
+            keep[h, b, :len(newest)] = torch.tensor(newest, dtype=torch.int64)
+    return keep
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,17 +319,16 @@ def fifo_keep(frames: torch.Tensor, first_frame: int, num_frames: int, window: i
 
 def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, slot_frames: torch.Tensor,
                cfg: H2SVCConfig, cls, inv_freq: torch.Tensor,
-               mrope_section: Sequence[int] | RotaryLayout | None = None, *,
-               held: int, num_frames: int, first_frame: int, reindex: bool, next_position: int,
+               rotary: Sequence[int] | RotaryLayout | None = None, *, clock: StreamClock,
                features: torch.Tensor | None = None) -> H2SVCStepResult:
     """One H2SVC step of one class block, in place, after the chunk's prefill (docs/h2svc.md §7).
 
     keys/values: [H_c, B, C, D] fp16/bf16/fp32/fp64; positions: int64 [H_c, B, C] or [H_c, B, 3, C] (M-RoPE:
-    `mrope_section` three contiguous pair counts or a `RotaryLayout`); slot_frames: int64 [H_c, B, W] (W =
-    cfg.window(cls)); features (EPISODIC only): float32 [H_c, B, W, D] (float64 for a float64 cache). Token slots [0, P)
-    hold the prefix; frame slot s covers [P + s·T_f, P + (s+1)·T_f). `held` frames sit in home slots [0, held); the F =
-    num_frames arrivals (frames first_frame + i) were written at frame slots held + i, some possibly past W (overflow
-    slots).
+    `rotary` three contiguous pair counts or a `RotaryLayout`); slot_frames: int64 [H_c, B, W] (W =
+    cfg.window(cls)); clock: the stream's host values (`StreamClock`); features (EPISODIC only): float32 [H_c, B, W, D]
+    (float64 for a float64 cache). Token slots [0, P) hold the prefix; frame slot s covers [P + s·T_f, P + (s+1)·T_f).
+    `clock.held` frames sit in home slots [0, held); the F = clock.num_frames arrivals (frames first_frame + i) were
+    written at frame slots held + i, some possibly past W (overflow slots).
 
     1. keep set per row: FIFO keeps the newest min(W, held + F) frames; EPISODIC runs STCE (capacity W) over
        the held frames then the arrivals, whose features are `frame_features` of their values.
@@ -336,15 +336,17 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
        is not kept are filled, ascending, by the kept frames of the overflow slots in arrival order (K, V of all
        T_f tokens, positions and feature move; sources are left as they were).
     3. slot_frames = the frame now in each home slot, −1 from held' on.
-    4. reindex (docs/h2svc.md §4): per row and axis, the retained visual tokens take P + shift + dense rank, with
-       shift = (next_position − P) − E and E the largest number of distinct values over the axes, so every row's
-       largest coordinate is next_position − 1 (right alignment); keys rotate by the integer delta (§2.8 of
-       docs/hermes.md, `hermes_kernels.rope`); the prefix is untouched.
+    4. when clock.reindexed (docs/h2svc.md §4): per row and axis, the retained visual tokens take P + shift +
+       dense rank, with shift = (next_position − P) − E and E the largest number of distinct values over the
+       axes, so every row's largest coordinate is next_position − 1 (right alignment); keys rotate by the integer
+       delta (§2.8 of docs/hermes.md, `hermes_kernels.rope`); the prefix is untouched.
     Everything is checked before anything is written.
     """
-    cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, mrope_section, held,
-                           num_frames, first_frame, reindex, next_position, features, contents=True)
-    layout = RotaryLayout.of(mrope_section, keys.shape[-1] // 2)  # checked above
+    cls = check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, rotary, clock, features,
+                           contents=True)
+    layout = RotaryLayout.of(rotary, keys.shape[-1] // 2)  # checked above
+    held, num_frames, first_frame = clock.held, clock.num_frames, clock.first_frame
+    reindex_now, next_position = bool(clock.reindexed), clock.next_position
     P, T_f, W, F = cfg.prefix_len, cfg.tokens_per_frame, cfg.window(cls), num_frames
     held_after = min(W, held + F)
     H_c, B = keys.shape[:2]
@@ -352,19 +354,19 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     # 1. keep sets (read everything before the first write)
     if cls == EPISODIC:
         arriving = frame_features(values[:, :, P + held * T_f:P + (held + F) * T_f], T_f)
-        kept = stce_select(features, slot_frames, arriving, first_frame, W)
+        keep = stce_select(features, slot_frames, arriving, first_frame, W)
     else:
-        kept = fifo_keep(slot_frames, first_frame, F, W)
+        keep = fifo_keep(slot_frames, first_frame, F, W)
 
     for row in range(H_c):
         for b in range(B):
-            keep = set(kept[row, b].tolist()) - {-1}
+            kept = set(keep[row, b].tolist()) - {-1}
             # frame slot s -> the stream frame in it: held frames, then the arrivals in arrival order
             frame_in_slot = slot_frames[row, b, :held].tolist() + [first_frame + i for i in range(F)]
 
             # 2. slot plan: freed home slots ascending, filled by the kept overflow frames in arrival order
-            free = [s for s in range(held_after) if frame_in_slot[s] not in keep]
-            movers = [s for s in range(W, held + F) if frame_in_slot[s] in keep]
+            free = [s for s in range(held_after) if frame_in_slot[s] not in kept]
+            movers = [s for s in range(W, held + F) if frame_in_slot[s] in kept]
             for source, target in zip(movers, free):
                 src = slice(P + source * T_f, P + (source + 1) * T_f)
                 dst = slice(P + target * T_f, P + (target + 1) * T_f)
@@ -381,7 +383,7 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
             slot_frames[row, b, :held_after] = torch.tensor(frame_in_slot[:held_after], dtype=torch.int64)
 
             # 4. docs/h2svc.md §4: right-aligned per-axis dense ranks ending at next_position − 1, keys by the delta
-            if reindex:
+            if reindex_now:
                 tokens = slice(P, P + held_after * T_f)
                 old = positions[row, b][..., tokens]  # [n] or [3, n]
                 rank = compact_positions(old, 0)  # dense rank per axis among the row's retained values
@@ -389,4 +391,4 @@ def h2svc_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
                 new = rank + (next_position - distinct)
                 keys[row, b, tokens] = apply_rotary_delta(keys[row, b, tokens], new - old, inv_freq, layout)
                 positions[row, b][..., tokens] = new
-    return H2SVCStepResult(held=held_after, kept=slot_frames, compacted=reindex)
+    return H2SVCStepResult(held=held_after, keep=slot_frames, reindexed=clock.reindexed)

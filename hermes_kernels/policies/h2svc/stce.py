@@ -46,11 +46,11 @@ _MAX_LANES = 4096  # stce_cpu.c's per-row state limit (W + F lanes)
 _MAX_LOG_TABLE = 1 << 20
 
 
-def _trajectory(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor,
+def _trajectory(features: torch.Tensor, slot_frames: torch.Tensor, arriving: torch.Tensor,
                 first_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The lanes of every row and their squared distances (the set-up both backends share; no host sync).
 
-    features float32 [H, B, W, D] (any slot order; empty slots may hold anything, NaN included), frames int64
+    features float32 [H, B, W, D] (any slot order; empty slots may hold anything, NaN included), slot_frames int64
     [H, B, W] (-1 empty, valid ones distinct), arriving [H, B, F, D] of features' dtype, in arrival order.
     Returns times int64 [H·B, W + F] (lane k < W: the k-th oldest held frame, -1 past the row's held count; lane
     W + i: arrival i, frame first_frame + i) and d2 [H·B, W + F, W + F] in features' dtype (float32; float64
@@ -58,10 +58,10 @@ def _trajectory(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Te
     """
     H, B, W, D = features.shape
     F = arriving.shape[2]
-    order = frames.masked_fill(frames < 0, _BIG).argsort(dim=-1)
-    held_times = frames.gather(-1, order)
+    order = slot_frames.masked_fill(slot_frames < 0, _BIG).argsort(dim=-1)
+    held_times = slot_frames.gather(-1, order)
     held = features.gather(-2, order.unsqueeze(-1).expand(H, B, W, D))
-    lane_valid = torch.cat([held_times >= 0, torch.ones(H, B, F, dtype=torch.bool, device=frames.device)], dim=-1)
+    lane_valid = torch.cat([held_times >= 0, torch.ones(H, B, F, dtype=torch.bool, device=slot_frames.device)], dim=-1)
     x = torch.cat([held, arriving], dim=-2).masked_fill_(~lane_valid.unsqueeze(-1), 0)
     # centring (ours): distances are translation invariant; the Gram entries they cancel become smaller
     center = x.sum(dim=-2, keepdim=True) / lane_valid.sum(dim=-1, keepdim=True).unsqueeze(-1)
@@ -69,7 +69,7 @@ def _trajectory(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Te
     gram = torch.matmul(x, x.transpose(-1, -2))
     square = gram.diagonal(dim1=-2, dim2=-1)
     d2 = (square.unsqueeze(-1) + square.unsqueeze(-2)).sub_(gram, alpha=2).clamp_(min=0)
-    arrivals = first_frame + torch.arange(F, device=frames.device)
+    arrivals = first_frame + torch.arange(F, device=slot_frames.device)
     times = torch.cat([held_times, arrivals.expand(H, B, F)], dim=-1)
     return times.reshape(H * B, W + F), d2.reshape(H * B, W + F, W + F)
 
@@ -86,11 +86,11 @@ def _curvature_torch(d_in: torch.Tensor, d_out: torch.Tensor, d_pn: torch.Tensor
     return (1.0 - cos) * torch.minimum(norm_in, norm_out) * gap.to(d_in.dtype).log()
 
 
-def stce_select_torch(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
+def stce_select_torch(features: torch.Tensor, slot_frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
                       capacity: int) -> torch.Tensor:
     """Kept frame indices int64 [H, B, capacity] after the F arrivals (ascending, -1 padded); inputs validated.
 
-    features float32 [H, B, W, D], frames int64 [H, B, W], arriving float32 [H, B, F, D] (see `_trajectory`).
+    features float32 [H, B, W, D], slot_frames int64 [H, B, W], arriving float32 [H, B, F, D] (see `_trajectory`).
     State [R, M + 2] per row (R = H·B, M = W + F lanes): alive, prev/next lanes, score. Two extra lanes stand for
     "no lane": NONE (= M; read-only: its prev and next are NONE, its d2 entries 0, its score +inf, never alive) and
     TRASH (= M + 1; write-only: conditional writes are routed there instead of being masked). A row that does not
@@ -101,7 +101,7 @@ def stce_select_torch(features: torch.Tensor, frames: torch.Tensor, arriving: to
     """
     H, B, W, _ = features.shape
     F = arriving.shape[2]
-    times, d2 = _trajectory(features, frames, arriving, first_frame)
+    times, d2 = _trajectory(features, slot_frames, arriving, first_frame)
     lib = native.library("stce_cpu") if times.device.type == "cpu" else None
     if lib is not None and W + F <= _MAX_LANES and first_frame + F <= _MAX_LOG_TABLE:
         return _select_rows_native(lib, times, d2, W, first_frame + F, capacity).view(H, B, capacity)
@@ -291,7 +291,7 @@ def _stce_kernel(d2_ptr, times_ptr, out_ptr, W, F, capacity,
     tl.store(out + pad, tl.full([BLOCK_CAP], -1, tl.int64), mask=(pad >= count) & (pad < capacity))
 
 
-def stce_select_triton(features: torch.Tensor, frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
+def stce_select_triton(features: torch.Tensor, slot_frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
                        capacity: int) -> torch.Tensor:
     """`stce_select_torch` with the sequential part in ONE Triton launch; inputs validated, no host sync.
 
@@ -300,7 +300,7 @@ def stce_select_triton(features: torch.Tensor, frames: torch.Tensor, arriving: t
     """
     H, B, W, _ = features.shape
     F = arriving.shape[2]
-    times, d2 = _trajectory(features, frames, arriving, first_frame)
+    times, d2 = _trajectory(features, slot_frames, arriving, first_frame)
     out = _output((H, B, capacity), torch.int64, features.device)
     launch(_stce_kernel, (H * B,), d2, times, out, W, F, capacity,
            BLOCK=triton.next_power_of_2(W + F), BLOCK_CAP=triton.next_power_of_2(capacity), num_warps=1)

@@ -14,16 +14,17 @@ One step, every row at once:
     whose frame is not kept, ascending; `movers` = kept frames in overflow slots, in arrival order; mover k goes
     to free[k]. A mover's K, V, positions and feature move with it; its source slots are left as they were;
  3. slot_frames <- the frame in each home slot (-1 from held' on); features of arrivals <- their frame features;
- 4. when `reindex` (the caller's decision): the retained visual tokens of every row get, per axis, new = P + shift
-    + dense rank among the row's retained values on that axis, shift = (next_position - P) - E, E = the largest
-    distinct count over the axes: every row's newest coordinate lands at next_position - 1 (right alignment,
-    §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32 (`hermes_kernels.rope`).
+ 4. when the clock's `reindexed` (the caller's decision): the retained visual tokens of every row get, per axis,
+    new = P + shift + dense rank among the row's retained values on that axis, shift = (next_position - P) - E,
+    E = the largest distinct count over the axes: every row's newest coordinate lands at next_position - 1 (right
+    alignment, §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32
+    (`hermes_kernels.rope`).
 
-The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it
-reads no tensor on the host (held, F, first_frame, next_position and reindex are the caller's host values), so
-a step on CUDA does not synchronise. On CPU tensors step 4's new positions and deltas come from one C call
-(`_reindex_native`, compact_cpu.c) when the library builds, else from the same torch ops. The row work is what
-the backends differ in:
+The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it reads no
+device tensor on the host (the `StreamClock`: held, F, first_frame, next_position and the re-index decision are the
+caller's host values), so a step on CUDA does not synchronise. On CPU tensors step 4's new positions and deltas come
+from one C call (`_reindex_native`, compact_cpu.c) when the library builds, else from the same torch ops. The row
+work is what the backends differ in:
   h2svc_step_triton — ONE move launch (grid: rows·streams·work items × token tiles) after the feature and STCE
       launches of an EPISODIC block;
   h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
@@ -32,9 +33,9 @@ the backends differ in:
       path) torch ops over all rows at once: one indexed copy of the movers' frames, or compaction's tiled
       rotation (`rows.move_rows_torch`).
 Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
-  reindex False: the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
+  no re-index:   the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
       their positions; nothing else in the cache is touched;
-  reindex True:  every retained key too: read and write held'·T_f key rows (rotated in place, or from a mover's
+  re-index:      every retained key too: read and write held'·T_f key rows (rotated in place, or from a mover's
       slot) and the movers' value rows, plus held'·T_f positions per axis.
 In place is safe: a work item reads only its own slot or an overflow slot, and no item writes an overflow slot.
 """
@@ -56,6 +57,7 @@ from ...rope import RotaryLayout
 from . import features as _features
 from . import stce as _stce
 from .checks import check_arriving_features
+from .clock import StreamClock
 from .config import EPISODIC, H2SVCConfig
 from .gpu_case import H2SVCCase
 
@@ -183,14 +185,14 @@ class RowWork:
     delta: torch.Tensor | None
 
 
-def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, layout: RotaryLayout, held: int,
-              num_frames: int, first_frame: int, reindex: bool, next_position: int, features, feature_op,
-              stce_op) -> RowWork:
+def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, layout: RotaryLayout,
+              clock: StreamClock, features, feature_op, stce_op) -> RowWork:
     """Steps 1-4 except the row work, in place: keep sets, slot plan, positions, slot_frames and features.
 
     Arguments as `h2svc_step_torch`; feature_op / stce_op are the backend's stage (a) and (b) implementations.
     Reads old positions (of the tokens each home slot will hold) before writing the new ones; K/V are not touched.
     """
+    held, num_frames, first_frame, next_position = clock.held, clock.num_frames, clock.first_frame, clock.next_position
     W, P, T = cfg.window(cls), cfg.prefix_len, cfg.tokens_per_frame
     H, B = slot_frames.shape[:2]
     S = held + num_frames
@@ -202,8 +204,8 @@ def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, 
         check_arriving_features(arriving)  # nothing is written yet
         # only the first `held` home slots hold frames (validated on CPU; enforced here on every device)
         frames = slot_frames.masked_fill(torch.arange(W, device=slot_frames.device) >= held, -1)
-        kept = stce_op(features, frames, arriving, first_frame, W)
-        kept_slot = (frame_of_slot.unsqueeze(-1) == kept.unsqueeze(-2)).any(dim=-1)
+        keep = stce_op(features, frames, arriving, first_frame, W)
+        kept_slot = (frame_of_slot.unsqueeze(-1) == keep.unsqueeze(-2)).any(dim=-1)
     else:
         kept_slot = fifo_keep_mask(frame_of_slot, held, W)
     source, destination = slot_plan(kept_slot, W)
@@ -211,7 +213,7 @@ def plan_step(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, 
     pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [H_c, B, A, C] view
     A = pos.shape[2]
     delta = None
-    if reindex:
+    if bool(clock.reindexed):
         planned = _reindex_native(pos, source, P, T, next_position)
         if planned is None:
             old = pos.gather(-1, _tokens(source, P, T).unsqueeze(2).expand(H, B, A, held_after * T))
@@ -268,13 +270,13 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, la
 
 
 def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
-                     mrope_section: Sequence[int] | RotaryLayout | None, held: int, num_frames: int, first_frame: int,
-                     reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
+                     rotary: Sequence[int] | RotaryLayout | None, clock: StreamClock,
+                     features: torch.Tensor | None) -> int:
     """One H2SVC step on a class block, in place, vectorised over rows and streams; inputs validated (see the
     module docstring for the state and the steps). Returns held' = min(W, held + F)."""
-    layout = RotaryLayout.of(mrope_section, keys.shape[-1] // 2)
-    work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, held, num_frames, first_frame,
-                     reindex, next_position, features, _features.frame_features_torch, _stce.stce_select_torch)
+    layout = RotaryLayout.of(rotary, keys.shape[-1] // 2)
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, clock, features,
+                     _features.frame_features_torch, _stce.stce_select_torch)
     _move_rows_torch(keys, values, work, cfg, inv_freq, layout)
     return work.held
 
@@ -385,13 +387,13 @@ def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, l
 
 
 def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
-                      mrope_section: Sequence[int] | RotaryLayout | None, held: int, num_frames: int, first_frame: int,
-                      reindex: bool, next_position: int, features: torch.Tensor | None) -> int:
+                      rotary: Sequence[int] | RotaryLayout | None, clock: StreamClock,
+                      features: torch.Tensor | None) -> int:
     """`h2svc_step_torch` with the features, the STCE walk and the row work as Triton launches (3 for an
     EPISODIC block, 1 for a FIFO block, none when nothing moves); the plan is torch ops, no host sync."""
-    layout = RotaryLayout.of(mrope_section, keys.shape[-1] // 2)
-    work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, held, num_frames, first_frame,
-                     reindex, next_position, features, _features.frame_features_triton, _stce.stce_select_triton)
+    layout = RotaryLayout.of(rotary, keys.shape[-1] // 2)
+    work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, clock, features,
+                     _features.frame_features_triton, _stce.stce_select_triton)
     _move_rows_triton(keys, values, work, cfg, inv_freq, layout)
     return work.held
 
@@ -405,5 +407,4 @@ def _gpu_spec(case: H2SVCCase) -> None:
     for cls in case.classes:
         block = case.block(cls)
         h2svc_step_triton(block.keys, block.values, block.positions, block.slot_frames, case.cfg, cls,
-                          case.inv_freq(), case.mrope_section, case.cfg.window(cls), case.chunk_frames,
-                          case.first_frame, case.reindex, case.next_position, block.features)
+                          case.inv_freq(), case.rotary, case.clock(cls), block.features)

@@ -83,19 +83,19 @@ def check_layers(layers, cfg: HermesConfig) -> range:
     return layers
 
 
-def check_compacted_flag(compacted_flag, keys: torch.Tensor) -> None:
-    """compacted_flag: None, or a 0-dim bool tensor on keys' device (the caller's re-index decision, §2.7)."""
-    if compacted_flag is None:
+def check_reindexed(reindexed, keys: torch.Tensor) -> None:
+    """reindexed: None, or a 0-dim bool tensor on keys' device (the caller's re-index decision, §2.7)."""
+    if reindexed is None:
         return
-    check_tensor("compacted_flag", compacted_flag, (0,), (torch.bool,), "[] (0-dim) bool")
-    check_same_device("compacted_flag", compacted_flag, "keys", keys)
+    check_tensor("reindexed", reindexed, (0,), (torch.bool,), "[] (0-dim) bool")
+    check_same_device("reindexed", reindexed, "keys", keys)
 
 
 def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, cfg: HermesConfig,
-                inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None,
+                inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None,
                 layers: range | None = None) -> RotaryLayout:
     """keys/values [L,B,Hkv,N,D] one dtype and device, positions int64 [L,B,N] or [L,B,3,N] (M-RoPE),
-    inv_freq [D/2], mrope_section a description of D/2 pairs (`RotaryLayout.of`); N > prefix_len. L = len(layers),
+    inv_freq [D/2], rotary a description of D/2 pairs (`RotaryLayout.of`); N > prefix_len. L = len(layers),
     the layers of cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`.
     Returns the rotary layout."""
     _config(cfg)
@@ -111,7 +111,7 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         raise ValueError(f"keys: cache length N={N} holds no visual token after prefix_len={cfg.prefix_len}")
     if D % 2:
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
-    layout = check_rotary(inv_freq, mrope_section, D)
+    layout = check_rotary(inv_freq, rotary, D)
     check_positions(positions, [L, B], N, layout, keys)
     return layout
 
@@ -126,10 +126,10 @@ def check_keep(keep: torch.Tensor, keys: torch.Tensor, cfg: HermesConfig) -> Non
     check_same_device("keep", keep, "keys", keys)
 
 
-def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) -> RotaryLayout:
+def check_compress(keys, values, positions, attn, cfg, inv_freq, rotary) -> RotaryLayout:
     """All checks of one compression step (§3 `compress_step`), before anything is written; returns the rotary
     layout."""
-    layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section)
+    layout = check_cache(keys, values, positions, cfg, inv_freq, rotary)
     check_attn(attn, cfg, num_visual=keys.shape[3] - cfg.prefix_len)
     if attn.shape[1] != keys.shape[1]:
         raise ValueError(f"attn: expected [L, B={keys.shape[1]}, V], got {tuple(attn.shape)}")
@@ -138,7 +138,7 @@ def check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section) 
 
 
 def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig,
-                 mrope_section: Sequence[int] | RotaryLayout | None) -> RotaryLayout:
+                 rotary: Sequence[int] | RotaryLayout | None) -> RotaryLayout:
     """All checks of one compression step over a cache split into per-device stacks (§2.6–2.7), before anything
     is written on any device.
 
@@ -160,7 +160,7 @@ def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig,
             if layers is None:  # check_layers reads None as "all layers"; a stack must say which it holds
                 raise TypeError("layers: expected a range of consecutive layer indices, got NoneType")
             check_layers(layers, cfg)
-            layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+            layout = check_cache(keys, values, positions, cfg, inv_freq, rotary, layers)
         except (TypeError, ValueError) as error:
             raise type(error)(f"stacks[{index}]: {error}") from error
         if layers.start != next_layer:

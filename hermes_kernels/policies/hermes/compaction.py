@@ -5,7 +5,7 @@ their positions become P + dense rank among the retained values of each axis whe
 rotated by (p_new - p_old)·inv_freq, and deep layers that pruned something get a summary token at slot P+n_l
 (mean of the pruned values; mean of the pruned keys each rotated to the target t = max retained position + 1).
 
-The re-indexing decision (`compacted_flag`) stays a 0-dim bool tensor on the cache's device and is applied
+The re-indexing decision (`reindexed`) stays a 0-dim bool tensor on the cache's device and is applied
 branch-free: positions become where(flag, compacted, old), so an uncompacted step rotates by a zero delta, which is
 an exact identity (cos 0 = 1, sin 0 = 0). By default it is decided from the given positions (eager: always; lazy:
 past max_positions - margin). A caller that compacts a model split over devices stack by stack (`layers`, a range of
@@ -52,7 +52,7 @@ from ... import rows
 from ...rope import RotaryLayout
 from .config import HermesConfig
 
-__all__ = ["compact_torch", "reindex_flag"]
+__all__ = ["compact_torch", "decide_reindex"]
 
 def _summary_layers(cfg: HermesConfig, V: int, layers: range) -> tuple[int, int, int]:
     """(first summary layer, kept count there, pruned count there), the layer counted from `layers.start`;
@@ -68,7 +68,7 @@ def _summary_layers(cfg: HermesConfig, V: int, layers: range) -> tuple[int, int,
     return first - layers.start, kept, V - kept
 
 
-def reindex_flag(positions: Sequence[torch.Tensor], cfg: HermesConfig, device: torch.device) -> torch.Tensor:
+def decide_reindex(positions: Sequence[torch.Tensor], cfg: HermesConfig, device: torch.device) -> torch.Tensor:
     """0-dim bool on `device`: re-index in this step? Eager always; lazy once any position of any of the
     `positions` tensors (the stacks of one cache, on any devices) exceeds max_positions - margin (§2.7).
 
@@ -87,17 +87,17 @@ def reindex_flag(positions: Sequence[torch.Tensor], cfg: HermesConfig, device: t
 
 def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                   cfg: HermesConfig, inv_freq: torch.Tensor,
-                  mrope_section: Sequence[int] | RotaryLayout | None = None, layers: range | None = None,
-                  compacted_flag: torch.Tensor | None = None, *,
+                  rotary: Sequence[int] | RotaryLayout | None = None, layers: range | None = None,
+                  reindexed: torch.Tensor | None = None, *,
                   native: bool | None = None) -> tuple[int, torch.Tensor]:
     """Vectorised PyTorch compaction, in place; same result as `reference.compact` (Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64 (any strides); positions: int64 [L, B, N] (1D) or
-    [L, B, 3, N] (M-RoPE); mrope_section: what `RotaryLayout.of` takes (each pair's axis comes from it); keep: int64
+    [L, B, 3, N] (M-RoPE); rotary: what `RotaryLayout.of` takes (each pair's axis comes from it); keep: int64
     [L, B, n] from `select_keep` (ascending, -1 padded: only deep layers with summary on carry one -1, exactly in the
     column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
-    layers: the config's layers the tensors hold (L = len(layers); default all); compacted_flag: 0-dim bool on the
-    cache's device that overrides the config's decision (default: `reindex_flag` of these positions).
+    layers: the config's layers the tensors hold (L = len(layers); default all); reindexed: 0-dim bool on the
+    cache's device that overrides the config's decision (default: `decide_reindex` of these positions).
     native: which mover does the row work: None (default) = the C kernel (`rows.move_rows_native`) whenever it
     applies (CPU fp32/bf16 cache with contiguous rows, library built, not switched off by HERMES_KERNELS_NATIVE=0),
     else the torch ops (`rows.move_rows_torch`); False = the torch ops; True = the C kernel, or a RuntimeError
@@ -111,8 +111,8 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
     layers = range(L) if layers is None else layers
     in_c = rows.use_native(native, keys, values)  # the CPU C walk, with the counting dense rank of CPU tensors
-    flag = reindex_flag([positions], cfg, keys.device) if compacted_flag is None else compacted_flag
-    layout = RotaryLayout.of(mrope_section, D // 2)
+    flag = decide_reindex([positions], cfg, keys.device) if reindexed is None else reindexed
+    layout = RotaryLayout.of(rotary, D // 2)
     pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
 

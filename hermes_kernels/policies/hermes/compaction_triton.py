@@ -52,7 +52,7 @@ def _one_hot(x, valid, digits, RADIX_BITS: tl.constexpr):
 
 
 # One program per (layer, stream, axis). Reads the axis row of positions (all N, when the kernels decide the lazy
-# trigger) and the kept tokens' values (gathered through keep); writes the compacted candidate P + dense rank of
+# trigger) and the kept tokens' values (gathered through keep); writes the re-indexed candidate P + dense rank of
 # every kept token, in keep order. Everything goes in CHUNK-sized pieces, so registers do not grow with the budget.
 # Rows already non-decreasing in cache order take the prefix-sum path; others are sorted in scratch (`sort_ptr`,
 # two int64 buffers of n_out per program) by an LSD radix sort of RADIX_BITS-bit digits of (value - row minimum):
@@ -168,17 +168,17 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
     # §2.7: one re-index decision for the whole step: the caller's ("given", read only), or derived by every
     # program alike and written once
     if TRIGGER == "given":
-        compacted = tl.load(flag_ptr) != 0
+        reindex_now = tl.load(flag_ptr) != 0
     elif TRIGGER == "eager":
-        compacted = tl.full([], 1, tl.int1)
+        reindex_now = tl.full([], 1, tl.int1)
     else:
         top = tl.full([CHUNK], -_BIG_C, tl.int64)
         for start in range(0, num_rows, CHUNK):
             r = start + tl.arange(0, CHUNK)
             top = tl.maximum(top, tl.load(rowmax_ptr + r, mask=r < num_rows, other=-_BIG_C))
-        compacted = tl.max(top, axis=0) > threshold
+        reindex_now = tl.max(top, axis=0) > threshold
     if TRIGGER != "given":
-        tl.store(flag_ptr, compacted, mask=pid == 0)
+        tl.store(flag_ptr, reindex_now, mask=pid == 0)
 
     n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
     summarise = (tl.load(role_ptr + layer) == summary_role) & (V > n_keep)
@@ -202,7 +202,7 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
             valid = i < n_keep
             src = tl.load(keep_row + i * sk_n, mask=valid, other=0)
             old = tl.load(row + a * sp_a + (P + src) * sp_n, mask=valid, other=0)
-            new = tl.where(compacted, tl.load(cand_row + a * n_out + i, mask=valid, other=0), old)
+            new = tl.where(reindex_now, tl.load(cand_row + a * n_out + i, mask=valid, other=0), old)
             top = tl.maximum(top, tl.where(valid, new, -_BIG_C))
             tl.store(delta_row + a * V + src, new - old, mask=valid)
     target = tl.max(top, axis=0) + 1
@@ -227,7 +227,7 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
             valid = i < n_keep
             src = tl.load(keep_row + i * sk_n, mask=valid, other=0)
             old = tl.load(row + a * sp_a + (P + src) * sp_n, mask=valid, other=0)
-            new = tl.where(compacted, tl.load(cand_row + a * n_out + i, mask=valid, other=0), old)
+            new = tl.where(reindex_now, tl.load(cand_row + a * n_out + i, mask=valid, other=0), old)
             tl.debug_barrier()  # this chunk's old positions are read before its slots are overwritten
             tl.store(row + a * sp_a + (P + i).to(tl.int64) * sp_n, new, mask=valid)
         tl.store(row + a * sp_a + (P + n_keep).to(tl.int64) * sp_n, target, mask=summarise)
@@ -328,15 +328,15 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, axis_ptr, budg
 
 def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                    cfg: HermesConfig, inv_freq: torch.Tensor,
-                   mrope_section: Sequence[int] | RotaryLayout | None = None, layers: range | None = None,
-                   compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+                   rotary: Sequence[int] | RotaryLayout | None = None, layers: range | None = None,
+                   reindexed: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """Fused in-place compaction (Alg. 1, appendix E) in three launches; same result as `reference.compact`.
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64, any strides (e.g. `buffer[..., :N, :]` views);
-    positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE, each pair's axis from `RotaryLayout.of(mrope_section)`);
+    positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE, each pair's axis from `RotaryLayout.of(rotary)`);
     keep: int64 [L, B, n] from `select_keep`.
     layers: the config's layers the tensors hold (L = len(layers); default all): the kernels read those layers'
-    budgets and roles. compacted_flag: 0-dim bool on the cache's device, read by the plan kernel instead of the
+    budgets and roles. reindexed: 0-dim bool on the cache's device, read by the plan kernel instead of the
     config's decision (default: decided on the device from these positions).
     Launches: rank (grid L·B·A), plan (grid L·B), move (grid L·B·Hkv × channel groups); O(L·B·A·V) int scratch.
     Returns (P + min(budget, V), the flag used: 0-dim bool on the cache's device); no host synchronisation.
@@ -347,7 +347,7 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     device = keys.device
     work = work_dtype(keys)
     half = D // 2
-    layout = RotaryLayout.of(mrope_section, half)
+    layout = RotaryLayout.of(rotary, half)
     pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
     per_layer = cfg.on(device)
@@ -359,8 +359,8 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     rowmax = rows.scratch((L * B * A,), torch.int64, device)  # largest position of every axis row (lazy trigger)
     dest = rows.scratch((L, B, V), torch.int32, device)  # slot of every visual token among the kept, or -1
     delta = rows.scratch((L, B, A, V), torch.int64, device)  # rotation delta of every token that is read
-    flag = rows.scratch((), torch.bool, device) if compacted_flag is None else compacted_flag
-    trigger = cfg.reindex if compacted_flag is None else "given"
+    flag = rows.scratch((), torch.bool, device) if reindexed is None else reindexed
+    trigger = cfg.reindex if reindexed is None else "given"
     summary_role = DEEP if cfg.summary else -1  # layers of this role fold their pruned tokens (Alg. 1)
     chunk = min(_CHUNK, triton.next_power_of_2(max(N, L * B * A)))
     rank_chunk = min(_RANK_CHUNK, chunk)
@@ -383,5 +383,5 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
 def _gpu_spec(case: HermesCase) -> None:
     """The step's compaction of the cache views, with the case's re-index trigger."""
     keys, values, positions = case.cache()
-    compact_triton(keys, values, positions, case.keep(), case.cfg, case.inv_freq(), case.mrope_section, None,
-                   case.compacted_flag())
+    compact_triton(keys, values, positions, case.keep(), case.cfg, case.inv_freq(), case.rotary, None,
+                   case.reindexed())

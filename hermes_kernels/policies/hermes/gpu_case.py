@@ -27,7 +27,7 @@ class HermesCase:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    mrope_section: tuple[int, int, int] | RotaryLayout | None
+    rotary: RotaryLayout | None  # None: 1D RoPE; stored as the RotaryLayout of D/2 pairs
     dtype: torch.dtype
     cfg: HermesConfig
     chunk_tokens: int
@@ -36,10 +36,8 @@ class HermesCase:
     reindex: str
     batch: int = 1
 
-    @property
-    def rotary(self) -> RotaryLayout:
-        """The layout the case's `mrope_section` describes (None: 1D)."""
-        return RotaryLayout.of(self.mrope_section, self.head_dim // 2)
+    def __post_init__(self):
+        object.__setattr__(self, "rotary", RotaryLayout.of(self.rotary, self.head_dim // 2))
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +76,7 @@ class HermesCase:
         """float32 [D/2] rotary inverse frequencies."""
         return self.empty(self.head_dim // 2)
 
-    def compacted_flag(self) -> torch.Tensor | None:
+    def reindexed(self) -> torch.Tensor | None:
         """The caller's 0-dim bool re-index decision when `reindex` is "given", else None."""
         return self.empty(dtype=torch.bool) if self.reindex == "given" else None
 

@@ -14,12 +14,12 @@ from ...dispatch import pick, resolve_backend
 from ...results import CompressResult
 from ...rope import RotaryLayout
 from . import compaction, compaction_triton, pooling, scoring, select
-from .checks import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep, check_layers,
+from .checks import (check_attn, check_cache, check_reindexed, check_compress, check_keep, check_layers,
                      check_pooled_attention, check_scores, check_stacks)
 from .config import HermesConfig
 
 
-def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
+def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *,
                      backend: str = "auto") -> torch.Tensor:
     """Mean over heads and query tokens of causal softmax probabilities per key (§2.3).
 
@@ -30,14 +30,14 @@ def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = Non
     return impl(q, k, scale)
 
 
-def hermes_scores(attn: torch.Tensor, cfg: HermesConfig, backend: str = "auto") -> torch.Tensor:
+def hermes_scores(attn: torch.Tensor, cfg: HermesConfig, *, backend: str = "auto") -> torch.Tensor:
     """Smoothed scores S~ float32 [L, B, V] from pooled attention [L, B, V] (§2.3–2.4)."""
     check_attn(attn, cfg)
     impl = pick(backend, attn.device, scoring.hermes_scores_triton, scoring.hermes_scores_torch)
     return impl(attn, cfg)
 
 
-def select_keep(scores: torch.Tensor, cfg: HermesConfig, backend: str = "auto") -> torch.Tensor:
+def select_keep(scores: torch.Tensor, cfg: HermesConfig, *, backend: str = "auto") -> torch.Tensor:
     """Kept visual indices int64 [L, B, min(budget, V)], ascending, -1 padded (eq. 6, §2.5)."""
     check_scores(scores, cfg)
     impl = pick(backend, scores.device, select.select_keep_triton, select.select_keep_torch)
@@ -45,38 +45,38 @@ def select_keep(scores: torch.Tensor, cfg: HermesConfig, backend: str = "auto") 
 
 
 def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None = None,
-            backend: str = "auto", *, layers: range | None = None,
-            compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
-    """In-place gather + re-index + rotary delta + summary (Alg. 1, appendix E). Returns (length, compacted_flag).
+            cfg: HermesConfig, inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None = None, *,
+            backend: str = "auto", layers: range | None = None,
+            reindexed: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+    """In-place gather + re-index + rotary delta + summary (Alg. 1, appendix E). Returns (length, reindexed).
 
     Same contract as `reference.compact`: `layers` (a range with step 1 inside [0, L)) names the config
-    layers the tensors hold, default all; `compacted_flag` (0-dim bool on keys' device) is the caller's re-index
+    layers the tensors hold, default all; `reindexed` (0-dim bool on keys' device) is the caller's re-index
     decision for the whole model and wins over the config (§2.7), default: decided from these positions.
     """
     layers = check_layers(layers, cfg)
-    layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+    layout = check_cache(keys, values, positions, cfg, inv_freq, rotary, layers)
     check_keep(keep, keys, cfg)
-    check_compacted_flag(compacted_flag, keys)
+    check_reindexed(reindexed, keys)
     impl = pick(backend, keys.device, compaction_triton.compact_triton, compaction.compact_torch)
-    return impl(keys, values, positions, keep, cfg, inv_freq, layout, layers, compacted_flag)
+    return impl(keys, values, positions, keep, cfg, inv_freq, layout, layers, reindexed)
 
 
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
-                  cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None = None,
+                  cfg: HermesConfig, inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None = None, *,
                   backend: str = "auto") -> CompressResult:
     """One HERMES compression step in place; same contract as `reference.compress_step` (§3).
 
     keys/values [L, B, Hkv, N, D] fp16/bf16/fp32 (first `length` slots valid afterwards); positions int64
-    [L, B, N] or [L, B, 3, N] (M-RoPE); attn float32 [L, B, N - prefix_len]. mrope_section: None (1D RoPE),
+    [L, B, N] or [L, B, 3, N] (M-RoPE); attn float32 [L, B, N - prefix_len]. rotary: None (1D RoPE),
     three contiguous pair counts (t, h, w) or a `RotaryLayout` (interleaved M-RoPE included).
     """
-    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
+    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, rotary)
     return _compress([(range(cfg.num_layers), keys, values, positions, inv_freq)], attn, cfg, layout, backend)
 
 
 def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                    attn: torch.Tensor, cfg: HermesConfig, mrope_section: Sequence[int] | RotaryLayout | None = None,
+                    attn: torch.Tensor, cfg: HermesConfig, rotary: Sequence[int] | RotaryLayout | None = None, *,
                     backend: str = "auto") -> CompressResult:
     """One HERMES compression step, in place, over a cache whose layers are split into per-device stacks (§2.6).
 
@@ -88,9 +88,9 @@ def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, to
     Every stack and attn are checked before anything is written on any device. Scores and keep are computed once
     on attn's device; one re-index decision for all stacks (§2.7) is combined there from every stack's largest
     position without a host sync; then each stack is compacted on its own device with its rows of keep and the
-    flag. The result's keep, scores and compacted_flag live on attn's device. `backend` is resolved per device.
+    flag. The result's keep, scores and reindexed live on attn's device. `backend` is resolved per device.
     """
-    layout = check_stacks(stacks, attn, cfg, mrope_section)
+    layout = check_stacks(stacks, attn, cfg, rotary)
     return _compress(stacks, attn, cfg, layout, backend)
 
 
@@ -108,11 +108,11 @@ def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, layout: RotaryLayou
         scores = scoring.hermes_scores_torch(attn, cfg)
         keep = select.select_keep_torch(scores, cfg)
     fused = len(stacks) == 1 and stacks[0][1].device == attn.device
-    flag = None if fused else compaction.reindex_flag([stack[3] for stack in stacks], cfg, attn.device)
+    flag = None if fused else compaction.decide_reindex([stack[3] for stack in stacks], cfg, attn.device)
     for layers, keys, values, positions, inv_freq in stacks:
         device = keys.device
         impl = pick(backend, device, compaction_triton.compact_triton, compaction.compact_torch)
         length, decided = impl(keys, values, positions, keep[layers.start:layers.stop].to(device), cfg, inv_freq,
                                layout, layers, None if fused else flag.to(device))
         flag = decided if fused else flag
-    return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), compacted_flag=flag)
+    return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), reindexed=flag)

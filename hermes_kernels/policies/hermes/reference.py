@@ -15,7 +15,7 @@ import torch
 from ...dtypes import work_dtype
 from ...results import CompressResult
 from ...rope import RotaryLayout, apply_rotary_delta, compact_positions
-from .checks import (check_attn, check_cache, check_compacted_flag, check_compress, check_keep, check_layers,
+from .checks import (check_attn, check_cache, check_reindexed, check_compress, check_keep, check_layers,
                      check_pooled_attention, check_scores)
 from .config import DEEP, HermesConfig
 
@@ -92,7 +92,7 @@ def select_keep(scores: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
     return keep
 
 
-def reindex_flag(positions: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
+def decide_reindex(positions: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
     """0-dim bool: re-index in this step? eager always; lazy once a position exceeds max_positions - margin (§2.7)."""
     if cfg.reindex == "eager":
         return torch.ones((), dtype=torch.bool, device=positions.device)
@@ -100,30 +100,30 @@ def reindex_flag(positions: torch.Tensor, cfg: HermesConfig) -> torch.Tensor:
 
 
 def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-            cfg: HermesConfig, inv_freq: torch.Tensor, mrope_section: Sequence[int] | RotaryLayout | None = None,
+            cfg: HermesConfig, inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None = None,
             *, layers: range | None = None,
-            compacted_flag: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+            reindexed: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """Gather kept tokens, re-index, rotate keys and write summaries, in place (eq. 6, Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D]; positions: int64 [L, B, N] or [L, B, 3, N]; keep: from `select_keep`;
-    mrope_section: None, contiguous pair counts or a `RotaryLayout` (which axis turns each frequency pair).
+    rotary: None, contiguous pair counts or a `RotaryLayout` (which axis turns each frequency pair).
     layers: the consecutive layers of cfg these tensors hold (a range with step 1, L = len(layers); default all
     cfg.num_layers): a model split over devices compacts each stack separately, with the roles of its own layers.
-    compacted_flag: the step's re-index decision as a 0-dim bool tensor on keys' device, made by the caller for
+    reindexed: the step's re-index decision as a 0-dim bool tensor on keys' device, made by the caller for
     the whole model (§2.7: one decision for all layers); it wins over the config, eager included. Default:
-    `reindex_flag(positions, cfg)` of the given positions.
+    `decide_reindex(positions, cfg)` of the given positions.
     Returns (length, the flag used). Slots from `length` on are left as they were.
     """
     layers = check_layers(layers, cfg)
-    layout = check_cache(keys, values, positions, cfg, inv_freq, mrope_section, layers)
+    layout = check_cache(keys, values, positions, cfg, inv_freq, rotary, layers)
     check_keep(keep, keys, cfg)
-    check_compacted_flag(compacted_flag, keys)
+    check_reindexed(reindexed, keys)
     L, B, _, N, _ = keys.shape
     P = cfg.prefix_len
     V = N - P
     work = work_dtype(keys)
-    flag = reindex_flag(positions, cfg) if compacted_flag is None else compacted_flag
-    compacted = bool(flag)
+    flag = decide_reindex(positions, cfg) if reindexed is None else reindexed
+    reindex_now = bool(flag)
     for layer in range(L):
         is_deep = int(cfg.role[layers[layer]]) == DEEP
         for b in range(B):
@@ -134,7 +134,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
             pruned = pruned.nonzero().flatten()
             pos = positions[layer, b]  # [N] or [3, N]
             old = pos[..., P + kept]
-            new = compact_positions(old, P) if compacted else old
+            new = compact_positions(old, P) if reindex_now else old
             # appendix E: move each kept key by the rotary delta of its own position shift
             k_kept = apply_rotary_delta(keys[layer, b][:, P + kept], new - old, inv_freq, layout)
             v_kept = values[layer, b][:, P + kept].clone()
@@ -159,15 +159,15 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
 
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
                   cfg: HermesConfig, inv_freq: torch.Tensor,
-                  mrope_section: Sequence[int] | RotaryLayout | None = None) -> CompressResult:
+                  rotary: Sequence[int] | RotaryLayout | None = None) -> CompressResult:
     """One HERMES compression step, in place (docs/hermes.md §2.3–2.8).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64; positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE:
-    `mrope_section` three contiguous pair counts or a `RotaryLayout`); attn: float32 [L, B, N - P] pooled guidance
+    `rotary` three contiguous pair counts or a `RotaryLayout`); attn: float32 [L, B, N - P] pooled guidance
     attention; inv_freq: [D/2] from the model's rotary module. All inputs are checked before anything is written.
     """
-    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, mrope_section)
+    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, rotary)
     scores = hermes_scores(attn, cfg)
     keep = select_keep(scores, cfg)
     length, flag = compact(keys, values, positions, keep, cfg, inv_freq, layout)
-    return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), compacted_flag=flag)
+    return CompressResult(length=length, keep=keep, scores=scores.to(torch.float32), reindexed=flag)

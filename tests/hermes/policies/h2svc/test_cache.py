@@ -123,7 +123,7 @@ def test_forwards_in_order_and_failed_calls_leave_the_buffers():
         cache.step(backend="cuda")
     assert all(same_bytes(t, u) for t, u in zip((t for b in cache.blocks for t in b.buffers()), before))
     result = cache.step()
-    assert (result.first_frame, result.num_frames, result.compacted) == (0, 2, False)
+    assert (result.first_frame, result.num_frames, bool(result.reindexed)) == (0, 2, False)
     assert cache.held == {"instant": 2, "short": 2, "episodic": 2} and cache.next_position == P + 2 * T_F
     feed(cache, 3, g)  # a question
     assert cache.length == P + 2 * T_F + 3 and cache.room() == min(
@@ -197,7 +197,7 @@ def drive(device: str, dtype: torch.dtype, section, backend: str, check_syncs: b
     then its per-class attention, then the step: FIFO windows cut through the chunks, STCE evicts, eager
     re-indexing rotates every retained key) and a read-only question. Inputs are drawn on the device first; with
     `check_syncs` the whole run is under torch's CUDA sync debug mode "error". `section`: the cache's
-    mrope_section (None: 1D). Returns the attention outputs."""
+    rotary (None: 1D). Returns the attention outputs."""
     from types import SimpleNamespace
 
     torch.manual_seed(0)
@@ -205,7 +205,7 @@ def drive(device: str, dtype: torch.dtype, section, backend: str, check_syncs: b
                       instant_frames=1, short_frames=2, episodic_frames=3, max_positions=512, margin=64,
                       reindex="eager")
     cache = H2SVCCache(cfg, batch_size=2, num_heads=6, head_dim=D, chunk_frames=2, room=5, dtype=dtype,
-                       inv_freq=inv_freq_for(D, device=device), mrope_section=section)
+                       inv_freq=inv_freq_for(D, device=device), rotary=section)
     mrope = section is not None
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
     rel = torch.arange(2 * T_F, device=device)
@@ -229,7 +229,7 @@ def drive(device: str, dtype: torch.dtype, section, backend: str, check_syncs: b
     finally:
         if check_syncs:
             torch.cuda.set_sync_debug_mode("default")
-    assert cache.held == {"instant": 1, "short": 2, "episodic": 3} and cache.stats()["compactions"] == 3
+    assert cache.held == {"instant": 1, "short": 2, "episodic": 3} and cache.stats()["reindexes"] == 3
     return outputs
 
 
@@ -245,7 +245,7 @@ def test_a_driven_cache_gives_finite_attention(rope):
 
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_every_rotation_reads_the_caches_one_layout(rope, monkeypatch):
-    """The cache keeps `mrope_section` as one RotaryLayout (1D included) and hands exactly that object to every
+    """The cache keeps `rotary` as one RotaryLayout (1D included) and hands exactly that object to every
     rotation: the incoming queries and keys (attention, update) and the step of every class block."""
     import hermes.policies.h2svc.attention as attention_module
     import hermes.policies.h2svc.cache as cache_module

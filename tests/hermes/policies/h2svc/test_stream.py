@@ -49,7 +49,7 @@ def test_windows_wider_than_the_video_equal_one_full_forward(case, backend):
                           episodic_frames=6)
     for clip in chunks:
         result = stream.append_video(**clip)
-        assert not result.compacted
+        assert not bool(result.reindexed)
     assert stream.stats()["held"] == {name: 6 for name in CLASS_NAMES}
     length = stream.cache.length
     assert_close_verbose(stream.next_token_logits(QUESTION), expected, name="last-token logits")
@@ -82,7 +82,7 @@ def test_frame_windows_equal_a_full_forward_with_window_masks(case, backend, hea
     for clip in chunks:
         stream.append_video(**clip)
     assert stream.stats()["held"] == {"instant": 2, "short": 3, "episodic": frames * count}
-    assert stream.stats()["compactions"] == 0
+    assert stream.stats()["reindexes"] == 0
     masks = window_masks(stream.cfg, frames * count, question.shape[1])
     expected = masked_reference_logits(model, embeds, positions, masks)
     assert_close_verbose(stream.next_token_logits(QUESTION), expected, name="last-token logits")
@@ -111,7 +111,7 @@ def test_full_episodic_memory_equals_a_full_forward_with_retention_masks(case):
     for clip in chunks:
         stream.append_video(**clip)
         held.append(held_now())
-    assert stream.stats()["held"]["episodic"] == 3 and stream.stats()["compactions"] == 0
+    assert stream.stats()["held"]["episodic"] == 3 and stream.stats()["reindexes"] == 0
     assert any(len(before[layer][0]) == 3 for before in held[:-1] for layer in before if before[layer]), \
         "a chunk after a full episodic memory"
     masks = retention_masks(cfg, frames, held, question.shape[1])
@@ -136,7 +136,7 @@ def test_eager_reindex_with_the_widest_class_empty(case, backend):
     P, T_f = cfg.prefix_len, cfg.tokens_per_frame
     for _ in range(3):
         result = stream.append_video(**chunk(case, 1, g, frames))
-        assert result.compacted and result.held["episodic"] == 0
+        assert bool(result.reindexed) and result.held["episodic"] == 0
     assert stream.stats()["held"] == {"instant": 2, "short": 3, "episodic": 0}
     assert cache.next_position == P + 3 * T_f
     for cls in (INSTANT, SHORT):
@@ -183,7 +183,7 @@ def test_episodic_eviction_follows_the_reference_and_keys_follow_rope(case, back
                               instant_frames=2, short_frames=3, episodic_frames=capacity)
         for _ in range(count):
             result = stream.append_video(**chunk(case, 2, g, frames))
-            assert result.compacted == (reindex == "eager")
+            assert bool(result.reindexed) == (reindex == "eager")
     finally:
         for handle in handles:
             handle.remove()
@@ -205,7 +205,7 @@ def test_episodic_eviction_follows_the_reference_and_keys_follow_rope(case, back
                 trace = ref.stce_trace(torch.zeros(len(heads), 2, W, means.shape[-1]),
                                        torch.full((len(heads), 2, W), -1), arriving, 0, W)
                 assert bool((trace.margin[trace.evicted >= 0] > 1e-3).all()), "near-tie: pick another seed"
-                assert torch.equal(slot_frames.sort(dim=-1).values, trace.kept.transpose(0, 1))
+                assert torch.equal(slot_frames.sort(dim=-1).values, trace.keep.transpose(0, 1))
                 held_means = means[:, heads].gather(2, slot_frames[..., None].expand(-1, -1, -1, means.shape[-1]))
                 assert_close_verbose(cache.class_features(layer), held_means, name=f"features of layer {layer}")
             else:
@@ -255,12 +255,12 @@ def test_64_chunks_same_storage_bytes_per_class_and_bounded_positions(case, back
         stats = stream.stats()
         assert stats["positions"][1] < 512, f"step {step}: positions {stats['positions']}"
         assert stats["held"] == {name: min(w, frames * (step + 1)) for name, w in zip(CLASS_NAMES, windows)}
-        if result.compacted:
+        if bool(result.reindexed):
             assert result.next_position == P + windows[EPISODIC] * T_f
             assert stats["positions"][1] == result.next_position - 1
         assert cache.data_ptrs() == ptrs and stats["bytes_allocated"] == nbytes
         if step in (15, 69):
             census[step] = live_tensors()
-    assert stats["steps"] == 70 and stats["compactions"] >= 2
+    assert stats["steps"] == 70 and stats["reindexes"] >= 2
     assert census[69] == census[15], f"live tensors (count, bytes) grew over 54 steps: {census}"
     assert stream.ask(QUESTION, max_new_tokens=3)  # the stream still answers after the re-indexes

@@ -32,7 +32,7 @@ def make_cache(L=4, B=2, Hkv=2, D=16, P=3, budget=10, capacity=40, dtype=torch.f
     cfg = getattr(HermesConfig, preset)(L, budget, P, max_positions=max_positions, reindex=reindex, margin=64,
                                         **overrides)
     cache = HermesCache(cfg, batch_size=B, num_kv_heads=Hkv, head_dim=D, capacity=capacity, dtype=dtype,
-                        inv_freq=inv_freq_for(D, 1e4), mrope_section=section if mrope else None,
+                        inv_freq=inv_freq_for(D, 1e4), rotary=section if mrope else None,
                         stack_bounds=stack_bounds)
     for stack in cache._stacks:  # whatever is read before being written shows up as NaN
         poison_(stack.keys)
@@ -227,16 +227,16 @@ def test_compress_rejects_bad_attention_without_writing():
 
 @pytest.mark.parametrize("section, kind", [(None, "1d"), (SECTION, "sections"), (INTERLEAVED[16], "interleaved")])
 def test_the_cache_keeps_one_rotary_layout(section, kind):
-    """`mrope_section` is stored as the RotaryLayout of D/2 pairs, 1D included; `mrope` (three position axes) is
+    """`rotary` is stored as the RotaryLayout of D/2 pairs, 1D included; `mrope` (three position axes) is
     what the layout says, not whether a section was given."""
     cache = make_cache(mrope=section is not None, section=section)
-    assert isinstance(cache.mrope_section, RotaryLayout) and cache.mrope_section.kind == kind
-    assert cache.mrope_section.pairs == 8 and cache.mrope is (kind != "1d")
+    assert isinstance(cache.rotary, RotaryLayout) and cache.rotary.kind == kind
+    assert cache.rotary.pairs == 8 and cache.mrope is (kind != "1d")
     assert cache._stacks[0].positions.dim() == (4 if cache.mrope else 3)
     assert cache.default_position_ids(5).shape == ((3, 2, 5) if cache.mrope else (2, 5))
     one_d = HermesCache(HermesConfig.llava_ov(4, 10, 3), batch_size=1, num_kv_heads=2, head_dim=16, capacity=40,
-                        dtype=torch.float32, inv_freq=inv_freq_for(16), mrope_section=RotaryLayout.one_d(8))
-    assert not one_d.mrope and one_d.mrope_section == RotaryLayout.one_d(8)
+                        dtype=torch.float32, inv_freq=inv_freq_for(16), rotary=RotaryLayout.one_d(8))
+    assert not one_d.mrope and one_d.rotary == RotaryLayout.one_d(8)
 
 
 def test_construction_errors():
@@ -244,8 +244,8 @@ def test_construction_errors():
     args = dict(batch_size=1, num_kv_heads=2, head_dim=16, capacity=40, dtype=torch.float32,
                 inv_freq=inv_freq_for(16))
     for change, match in (({"capacity": 13}, "capacity"), ({"head_dim": 15}, "head_dim"),
-                          ({"inv_freq": inv_freq_for(8)}, "inv_freq"), ({"mrope_section": [2, 2, 2]}, "mrope"),
-                          ({"mrope_section": INTERLEAVED[8]}, "mrope_section"),
+                          ({"inv_freq": inv_freq_for(8)}, "inv_freq"), ({"rotary": [2, 2, 2]}, "^rotary"),
+                          ({"rotary": INTERLEAVED[8]}, "rotary"),
                           ({"layer_devices": ["cpu"] * 3}, "layer_devices"),
                           # the geometry's positive ints, each named exactly (a message's first word)
                           ({"batch_size": 0}, "^batch_size: expected a positive int, got 0$"),
@@ -364,14 +364,14 @@ def test_split_stacks_match_one_stack(backend, mrope, reindex, dtype, bounds):
         straddled |= min(tops) <= threshold < max(tops)
         attn = distinct_attention(4, 2, N - cfg.prefix_len, g)
         one, split = (cache.compress(attn, backend=backend) for cache in caches)
-        assert (split.length, split.compacted) == (one.length, one.compacted)
+        assert (split.length, bool(split.reindexed)) == (one.length, bool(one.reindexed))
         assert torch.equal(split.keep, one.keep)
         for layer in range(cfg.num_layers):
             for name in ("keys", "values", "positions"):
                 get = getattr(HermesCache, f"layer_{name}")
                 assert_close_verbose(get(caches[1], layer), get(caches[0], layer), 0.0, 0.0, f"{name} {layer}")
     stats = caches[0].stats()
-    assert caches[1].stats() == stats and stats["steps"] == 7 and stats["compactions"] >= 1
+    assert caches[1].stats() == stats and stats["steps"] == 7 and stats["reindexes"] >= 1
     assert straddled or reindex == "eager", "no step had stacks on both sides of the lazy threshold"
 
 
@@ -420,8 +420,9 @@ def test_stream_over_split_stacks_matches_one_stack(family, monkeypatch):
         results = [stream.append_video(**clip) for stream in (one, split)]
         assert (results[0] is None) == (results[1] is None)
         if results[0] is not None:
-            assert torch.equal(results[0].keep, results[1].keep) and results[0].compacted == results[1].compacted
-    assert split.stats() == one.stats() and one.stats()["compactions"] >= 1
+            assert torch.equal(results[0].keep, results[1].keep)
+            assert bool(results[0].reindexed) == bool(results[1].reindexed)
+    assert split.stats() == one.stats() and one.stats()["reindexes"] >= 1
     for layer in range(one.cfg.num_layers):
         for name in ("keys", "values", "positions"):
             get = getattr(HermesCache, f"layer_{name}")

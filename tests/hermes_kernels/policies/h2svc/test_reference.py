@@ -6,6 +6,7 @@ ties. STCE (§3): curvature by hand, straight line with a sharp turn, zero veloc
 single arrivals, O(1) update = recompute from scratch. FIFO, the slot plan and the right-aligned re-index (§4)
 with keys checked against transformers' own RoPE. Bad inputs raise before anything is written.
 """
+import dataclasses
 import math
 import zlib
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig, default_head_map
+from hermes_kernels import StreamClock
 from hermes_kernels.policies.h2svc import reference as ref
 from hermes_kernels.rope import RotaryLayout
 from tests.hermes_kernels.test_rope import hf_rotate, hf_rotate_mrope
@@ -288,13 +290,13 @@ def test_stce_incremental_equals_recompute_from_scratch(capacity, held, F, D):
             for b in range(B):
                 memory = {int(t): features[h, b, s] for s, t in enumerate(frames[h, b].tolist()) if t >= 0}
                 kept, evicted = stce_brute(memory, list(arriving[h, b]), first, capacity)
-                assert trace.kept[h, b].tolist() == kept + [-1] * (capacity - len(kept))
+                assert trace.keep[h, b].tolist() == kept + [-1] * (capacity - len(kept))
                 assert trace.evicted[h, b].tolist() == evicted
         checked += 1
         if checked == 2:
             break
     assert checked == 2, "no tie-free draw"
-    assert torch.equal(ref.stce_select(features, frames, arriving, first, capacity), trace.kept)
+    assert torch.equal(ref.stce_select(features, frames, arriving, first, capacity), trace.keep)
 
 
 @pytest.mark.parametrize("capacity, held, F", [(4, 0, 7), (6, 3, 8), (8, 8, 16), (3, 3, 5)])
@@ -348,7 +350,7 @@ def test_straight_line_with_sharp_turn_keeps_the_turn(turn):
     arriving = torch.stack(path)[None, None]
     empty = torch.full((1, 1, capacity, D), float("nan"))
     trace = ref.stce_trace(empty, torch.full((1, 1, capacity), -1), arriving, 0, capacity)
-    kept = trace.kept[0, 0].tolist()
+    kept = trace.keep[0, 0].tolist()
     assert turn in kept and kept[0] == 0 and kept[-1] == n - 1
     assert turn not in ref.fifo_keep(torch.full((1, 1, 1), -1), 0, n, capacity)[0, 0].tolist()
 
@@ -359,7 +361,7 @@ def test_tie_evicts_the_older_frame():
     held = zigzag[:4][None, None]
     trace = ref.stce_trace(held, torch.arange(4)[None, None], zigzag[4:][None, None], 4, 4)
     assert trace.evicted[0, 0].tolist() == [1] and trace.gap[0, 0, 0].item() == 0.0
-    assert trace.kept[0, 0].tolist() == [0, 2, 3, 4]
+    assert trace.keep[0, 0].tolist() == [0, 2, 3, 4]
     # a straight line (all scores exactly 0) also evicts the oldest interior frame
     line = torch.tensor([[float(j), 2.0 * j] for j in range(5)])
     assert ref.stce_select(line[:4][None, None], torch.arange(4)[None, None], line[4:][None, None], 4,
@@ -380,7 +382,7 @@ def test_endpoints_never_evicted(capacity):
     for h in range(2):
         for b in range(2):
             oldest = int(frames[h, b][frames[h, b] >= 0].min())
-            assert trace.kept[h, b, 0] == oldest and trace.kept[h, b, -1] == 10 + F - 1
+            assert trace.keep[h, b, 0] == oldest and trace.keep[h, b, -1] == 10 + F - 1
             assert oldest not in trace.evicted[h, b].tolist()
             # an arrival is never evicted at its own arrival: it is the newest then
             assert all(int(e) != 10 + i for i, e in enumerate(trace.evicted[h, b].tolist()))
@@ -413,9 +415,10 @@ def test_slot_plan_by_hand_fifo():
     positions = torch.arange(C).view(1, 1, C) * 10
     slot_frames = torch.tensor([[[10, 11, 12]]])
     k0, v0, p0 = keys.clone(), values.clone(), positions.clone()
-    result = ref.h2svc_step(keys, values, positions, slot_frames, cfg, SHORT, inv_freq_for(D), held=3,
-                            num_frames=2, first_frame=13, reindex=False, next_position=0)
-    assert result.held == 3 and not result.compacted and result.kept is slot_frames
+    result = ref.h2svc_step(keys, values, positions, slot_frames, cfg, SHORT, inv_freq_for(D),
+                            clock=StreamClock(held=3, num_frames=2, first_frame=13,
+                                              reindexed=torch.tensor(False), next_position=0))
+    assert result.held == 3 and not bool(result.reindexed) and result.keep is slot_frames
     assert slot_frames.tolist() == [[[13, 14, 12]]]
     tokens = lambda s: slice(1 + 2 * s, 3 + 2 * s)  # noqa: E731
     expected_source = {0: 3, 1: 4, 2: 2}
@@ -434,8 +437,9 @@ def test_slot_plan_held_in_any_slot_order():
     keys = torch.randn(1, 1, C, D)
     positions = torch.arange(C).view(1, 1, C)
     slot_frames = torch.tensor([[[12, 10, 11]]])
-    ref.h2svc_step(keys, keys.clone(), positions, slot_frames, cfg, SHORT, inv_freq_for(D), held=3, num_frames=2,
-                   first_frame=13, reindex=False, next_position=0)
+    ref.h2svc_step(keys, keys.clone(), positions, slot_frames, cfg, SHORT, inv_freq_for(D),
+                   clock=StreamClock(held=3, num_frames=2, first_frame=13,
+                                     reindexed=torch.tensor(False), next_position=0))
     assert slot_frames.tolist() == [[[12, 13, 14]]]
     assert positions[0, 0, 3:7].tolist() == [7, 8, 9, 10]  # frames 13, 14 came from frame slots 3, 4
 
@@ -451,8 +455,9 @@ def test_nothing_moves_when_the_chunk_fits(cls):
     slot_frames = torch.tensor([5, -1, -1, -1]).expand(H_c, B, 4).clone()
     features = torch.randn(H_c, B, 4, D, generator=g) if cls == EPISODIC else None
     k0, v0, p0 = keys.clone(), values.clone(), positions.clone()
-    result = ref.h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq_for(D), held=held,
-                            num_frames=F, first_frame=6, reindex=False, next_position=C,
+    result = ref.h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq_for(D),
+                            clock=StreamClock(held=held, num_frames=F, first_frame=6,
+                                              reindexed=torch.tensor(False), next_position=C),
                             features=features)
     assert result.held == 4 and slot_frames[0, 0].tolist() == [5, 6, 7, 8]
     assert torch.equal(keys, k0) and torch.equal(values, v0) and torch.equal(positions, p0)
@@ -556,10 +561,11 @@ def test_step_plan_and_reindex(cls, W, held, F, rope, reindex, dtype):
         expected_kept = ref.stce_select(f0, s0, arriving, first, Wc)
     else:
         expected_kept = ref.fifo_keep(s0, first, F, Wc)
-    result = ref.h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, section, held=held,
-                            num_frames=F, first_frame=first, reindex=reindex, next_position=R, features=features)
-    assert result.held == held_after and result.compacted == reindex
-    assert torch.equal(result.kept, slot_frames)
+    result = ref.h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, section,
+                            clock=StreamClock(held=held, num_frames=F, first_frame=first,
+                                              reindexed=torch.tensor(reindex), next_position=R), features=features)
+    assert result.held == held_after and bool(result.reindexed) == reindex
+    assert torch.equal(result.keep, slot_frames)
     for r in range(H_c):
         for b in range(B):
             before = block["frame_in_slot"][r, b].tolist()
@@ -623,8 +629,9 @@ def test_reindex_1d_by_hand():
     raw = torch.randn(1, 1, 8, D, dtype=torch.float64)
     keys = rotate_like_the_model(raw, positions, inv_freq_for(D), None, 1e6)
     slot_frames = torch.tensor([[[0, 1]]])
-    ref.h2svc_step(keys, raw.clone(), positions, slot_frames, cfg, INSTANT, inv_freq_for(D), held=2, num_frames=1,
-                   first_frame=2, reindex=True, next_position=8)
+    ref.h2svc_step(keys, raw.clone(), positions, slot_frames, cfg, INSTANT, inv_freq_for(D),
+                   clock=StreamClock(held=2, num_frames=1, first_frame=2,
+                                     reindexed=torch.tensor(True), next_position=8))
     assert slot_frames.tolist() == [[[2, 1]]]
     assert positions.tolist() == [[[0, 1, 6, 7, 4, 5, 20, 21]]]
     expected = rotate_like_the_model(raw[:, :, [0, 1, 6, 7, 4, 5]], positions[..., :6], inv_freq_for(D), None, 1e6)
@@ -645,8 +652,9 @@ def test_reindex_mrope_by_hand(section):
     raw = torch.randn(1, 1, 7, D)
     keys = rotate_like_the_model(raw, positions, inv_freq_for(D), section, 1e6)
     slot_frames = torch.tensor([[[0, 1, -1]]])
-    ref.h2svc_step(keys, raw.clone(), positions, slot_frames, cfg, "short", inv_freq_for(D), section, held=2,
-                   num_frames=1, first_frame=2, reindex=True, next_position=20)
+    ref.h2svc_step(keys, raw.clone(), positions, slot_frames, cfg, "short", inv_freq_for(D), section,
+                   clock=StreamClock(held=2, num_frames=1, first_frame=2,
+                                     reindexed=torch.tensor(True), next_position=20))
     assert slot_frames.tolist() == [[[0, 1, 2]]]
     assert positions.tolist() == [[[[0, 17, 17, 18, 18, 19, 19],
                                     [0, 17, 17, 17, 17, 17, 17],
@@ -663,7 +671,8 @@ def test_every_row_ends_at_the_shared_next_position():
     keys = block["raw"].clone()
     R = 2 + 5 * 3 + 11
     ref.h2svc_step(keys, block["values"], block["positions"], block["slot_frames"], cfg, SHORT, inv_freq_for(8),
-                   held=5, num_frames=3, first_frame=40, reindex=True, next_position=R)
+                   clock=StreamClock(held=5, num_frames=3, first_frame=40, reindexed=torch.tensor(True),
+                                     next_position=R))
     visual = block["positions"][:, :, 2:2 + 15]
     assert torch.equal(visual.amax(-1), torch.full((4, 3), R - 1))
     assert torch.equal(visual.amin(-1), torch.full((4, 3), R - 15))
@@ -679,13 +688,24 @@ def step_inputs(cls=EPISODIC, mrope=False, dtype=torch.float32):
     block = make_block(cfg, cls, 2, 2, 8, 3, 2, 10, dtype, g, mrope)
     args = dict(keys=block["raw"].to(dtype), values=block["values"], positions=block["positions"],
                 slot_frames=block["slot_frames"], cfg=cfg, cls=cls, inv_freq=inv_freq_for(8),
-                mrope_section=[1, 1, 2] if mrope else None, held=3, num_frames=2, first_frame=10, reindex=True,
-                next_position=1 + 4 * 2, features=block["features"])
+                rotary=[1, 1, 2] if mrope else None, features=block["features"],
+                clock=dict(held=3, num_frames=2, first_frame=10, reindexed=torch.tensor(True),
+                           next_position=1 + 4 * 2))
     return args
 
 
+CLOCK_FIELDS = {field.name for field in dataclasses.fields(StreamClock)}
+
+
 def _swap(args, **changes):
-    return args | changes
+    """args with `changes`; a StreamClock field changes the clock's fields (built at the call: `_step`)."""
+    clock = args["clock"] | {k: v for k, v in changes.items() if k in CLOCK_FIELDS}
+    return args | {k: v for k, v in changes.items() if k not in CLOCK_FIELDS} | {"clock": clock}
+
+
+def _step(args):
+    """ref.h2svc_step with the clock built from its fields here, so the clock's own checks count as the step's."""
+    return ref.h2svc_step(**args | {"clock": StreamClock(**args["clock"])})
 
 
 BAD_STEP = [  # (name, change(args) -> args, exception, the argument the message must start with)
@@ -698,26 +718,30 @@ BAD_STEP = [  # (name, change(args) -> args, exception, the argument the message
                                      features=a["features"][..., :7]), ValueError, "keys"),
     ("positions int32", lambda a: _swap(a, positions=a["positions"].int()), TypeError, "positions"),
     ("positions shape", lambda a: _swap(a, positions=a["positions"][:, :, :-1]), ValueError, "positions"),
-    ("M-RoPE without 3 axes", lambda a: _swap(a, mrope_section=[1, 1, 2]), ValueError, "positions"),
+    ("M-RoPE without 3 axes", lambda a: _swap(a, rotary=[1, 1, 2]), ValueError, "positions"),
     ("slot_frames width", lambda a: _swap(a, slot_frames=a["slot_frames"][..., :3]), ValueError, "slot_frames"),
     ("slot_frames dtype", lambda a: _swap(a, slot_frames=a["slot_frames"].int()), TypeError, "slot_frames"),
     ("cfg type", lambda a: _swap(a, cfg="episodic"), TypeError, "cfg"),
     ("cls unknown", lambda a: _swap(a, cls="long"), ValueError, "cls"),
     ("inv_freq size", lambda a: _swap(a, inv_freq=inv_freq_for(16)), ValueError, "inv_freq"),
-    ("mrope_section sum", lambda a: _swap(a, mrope_section=[1, 1, 1], positions=torch.zeros(
-        2, 2, 3, a["keys"].shape[2], dtype=torch.int64)), ValueError, "mrope_section"),
-    ("interleaved pairs", lambda a: _swap(a, mrope_section=INTERLEAVED[16], positions=torch.zeros(
-        2, 2, 3, a["keys"].shape[2], dtype=torch.int64)), ValueError, "mrope_section"),
-    ("interleaved without 3 axes", lambda a: _swap(a, mrope_section=INTERLEAVED[8]), ValueError, "positions"),
-    ("held above W", lambda a: _swap(a, held=5), ValueError, "held"),
-    ("held negative", lambda a: _swap(a, held=-1), ValueError, "held"),
-    ("held not int", lambda a: _swap(a, held=3.0), TypeError, "held"),
-    ("num_frames 0", lambda a: _swap(a, num_frames=0), ValueError, "num_frames"),
+    ("rotary sum", lambda a: _swap(a, rotary=[1, 1, 1], positions=torch.zeros(
+        2, 2, 3, a["keys"].shape[2], dtype=torch.int64)), ValueError, "rotary"),
+    ("interleaved pairs", lambda a: _swap(a, rotary=INTERLEAVED[16], positions=torch.zeros(
+        2, 2, 3, a["keys"].shape[2], dtype=torch.int64)), ValueError, "rotary"),
+    ("interleaved without 3 axes", lambda a: _swap(a, rotary=INTERLEAVED[8]), ValueError, "positions"),
+    ("held above W", lambda a: _swap(a, held=5), ValueError, r"clock\.held"),
+    ("held negative", lambda a: _swap(a, held=-1), ValueError, r"clock\.held"),
+    ("held not int", lambda a: _swap(a, held=3.0), TypeError, r"clock\.held"),
+    ("num_frames 0", lambda a: _swap(a, num_frames=0), ValueError, r"clock\.num_frames"),
     ("cache too short", lambda a: _swap(a, num_frames=4), ValueError, "keys"),
     ("first_frame not newer", lambda a: _swap(a, first_frame=int(a["slot_frames"].max())), ValueError,
-     "first_frame"),
-    ("reindex not bool", lambda a: _swap(a, reindex=1), TypeError, "reindex"),
-    ("next_position too small", lambda a: _swap(a, next_position=8), ValueError, "next_position"),
+     r"clock\.first_frame"),
+    ("reindexed a bool", lambda a: _swap(a, reindexed=True), TypeError, r"clock\.reindexed"),
+    ("reindexed not 0-dim", lambda a: _swap(a, reindexed=torch.tensor([True])), TypeError, r"clock\.reindexed"),
+    ("reindexed on meta", lambda a: _swap(a, reindexed=torch.tensor(True, device="meta")), TypeError,
+     r"clock\.reindexed"),
+    ("next_position too small", lambda a: _swap(a, next_position=8), ValueError, r"clock\.next_position"),
+    ("clock not a StreamClock", lambda a: a | {"clock": None}, TypeError, "clock"),
     ("features missing", lambda a: _swap(a, features=None), TypeError, "features"),
     ("features fp16", lambda a: _swap(a, features=a["features"].half()), TypeError, "features"),
     ("features shape", lambda a: _swap(a, features=a["features"][:, :, :3]), ValueError, "features"),
@@ -738,7 +762,10 @@ def test_step_refuses_bad_input_before_writing(name, change, error, argument):
     args = change(step_inputs())
     snapshot = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(error, match=rf"^{argument}\b"):
-        ref.h2svc_step(**args)
+        if args["clock"] is None:  # not a StreamClock at all
+            ref.h2svc_step(**args)
+        else:
+            _step(args)
     for k, v in snapshot.items():
         assert same_bytes(args[k], v), f"{k} was written"
 
@@ -747,27 +774,32 @@ def test_fifo_step_refuses_features():
     args = step_inputs(cls=SHORT)
     args["features"] = torch.zeros(2, 2, 3, 8)
     with pytest.raises(ValueError, match="^features"):
-        ref.h2svc_step(**args)
+        _step(args)
+
+
+def _replace(args, **changes):
+    return args | changes
 
 
 BAD_STCE = [
-    ("features int", lambda a: _swap(a, features=a["features"].long()), TypeError, "features"),
-    ("features fp16", lambda a: _swap(a, features=a["features"].half()), TypeError, "features"),
-    ("frames shape", lambda a: _swap(a, frames=a["frames"][:, :, :2]), ValueError, "frames"),
-    ("frames dtype", lambda a: _swap(a, frames=a["frames"].int()), TypeError, "frames"),
-    ("arriving D", lambda a: _swap(a, arriving=a["arriving"][..., :3]), ValueError, "arriving"),
-    ("arriving dtype", lambda a: _swap(a, arriving=a["arriving"].double()), TypeError, "arriving"),
-    ("arriving empty", lambda a: _swap(a, arriving=a["arriving"][:, :, :0]), ValueError, "arriving"),
-    ("capacity 1", lambda a: _swap(a, capacity=1), ValueError, "capacity"),
-    ("more held than capacity", lambda a: _swap(a, capacity=2), ValueError, "frames"),
-    ("first_frame old", lambda a: _swap(a, first_frame=0), ValueError, "first_frame"),
-    ("first_frame bool", lambda a: _swap(a, first_frame=True), TypeError, "first_frame"),
-    ("duplicate frame", lambda a: _swap(a, frames=a["frames"].index_fill(2, torch.tensor([0, 1]), 4)), ValueError,
-     "frames"),
-    ("frame -2", lambda a: _swap(a, frames=a["frames"].index_fill(2, torch.tensor([3]), -2)), ValueError, "frames"),
-    ("held feature NaN", lambda a: _swap(a, features=torch.full_like(a["features"], float("nan"))), ValueError,
+    ("features int", lambda a: _replace(a, features=a["features"].long()), TypeError, "features"),
+    ("features fp16", lambda a: _replace(a, features=a["features"].half()), TypeError, "features"),
+    ("frames shape", lambda a: _replace(a, slot_frames=a["slot_frames"][:, :, :2]), ValueError, "slot_frames"),
+    ("frames dtype", lambda a: _replace(a, slot_frames=a["slot_frames"].int()), TypeError, "slot_frames"),
+    ("arriving D", lambda a: _replace(a, arriving=a["arriving"][..., :3]), ValueError, "arriving"),
+    ("arriving dtype", lambda a: _replace(a, arriving=a["arriving"].double()), TypeError, "arriving"),
+    ("arriving empty", lambda a: _replace(a, arriving=a["arriving"][:, :, :0]), ValueError, "arriving"),
+    ("capacity 1", lambda a: _replace(a, capacity=1), ValueError, "capacity"),
+    ("more held than capacity", lambda a: _replace(a, capacity=2), ValueError, "slot_frames"),
+    ("first_frame old", lambda a: _replace(a, first_frame=0), ValueError, "first_frame"),
+    ("first_frame bool", lambda a: _replace(a, first_frame=True), TypeError, "first_frame"),
+    ("duplicate frame", lambda a: _replace(a, slot_frames=a["slot_frames"].index_fill(2, torch.tensor([0, 1]), 4)),
+     ValueError, "slot_frames"),
+    ("frame -2", lambda a: _replace(a, slot_frames=a["slot_frames"].index_fill(2, torch.tensor([3]), -2)),
+     ValueError, "slot_frames"),
+    ("held feature NaN", lambda a: _replace(a, features=torch.full_like(a["features"], float("nan"))), ValueError,
      "features"),
-    ("arriving inf", lambda a: _swap(a, arriving=a["arriving"].index_fill(3, torch.tensor([0]), float("inf"))),
+    ("arriving inf", lambda a: _replace(a, arriving=a["arriving"].index_fill(3, torch.tensor([0]), float("inf"))),
      ValueError, "arriving"),
 ]
 
@@ -775,8 +807,8 @@ BAD_STCE = [
 @pytest.mark.parametrize("name, change, error, argument", BAD_STCE, ids=[case[0] for case in BAD_STCE])
 def test_stce_refuses_bad_input(name, change, error, argument):
     g = torch.Generator().manual_seed(7)
-    features, frames = random_memory(2, 1, 4, 4, 3, 8, g)
-    args = change(dict(features=features, frames=frames, arriving=torch.randn(2, 1, 2, 4, generator=g),
+    features, slot_frames = random_memory(2, 1, 4, 4, 3, 8, g)
+    args = change(dict(features=features, slot_frames=slot_frames, arriving=torch.randn(2, 1, 2, 4, generator=g),
                        first_frame=8, capacity=4))
     with pytest.raises(error, match=rf"^{argument}\b"):
         ref.stce_select(**args)
@@ -792,7 +824,7 @@ def test_other_functions_refuse_bad_input():
         (lambda: ref.frame_features(torch.zeros(1, 1, 4, 4), 0), ValueError, "tokens_per_frame"),
         (lambda: ref.stce_scores(torch.zeros(3, 4), torch.tensor([0, 2, 2])), ValueError, "times"),
         (lambda: ref.stce_scores(torch.zeros(3, 4), torch.tensor([0, 2])), ValueError, "times"),
-        (lambda: ref.fifo_keep(torch.tensor([[[1, 1]]]), 3, 1, 2), ValueError, "frames"),
+        (lambda: ref.fifo_keep(torch.tensor([[[1, 1]]]), 3, 1, 2), ValueError, "slot_frames"),
         (lambda: ref.fifo_keep(torch.tensor([[[1, 2]]]), 3, 1, 0), ValueError, "window"),
         (lambda: ref.fifo_keep(torch.tensor([[[1, 2]]]), 3, 0, 2), ValueError, "num_frames"),
         (lambda: ref.tad_v2v(probs, fot, 3), ValueError, "num_kv_heads"),

@@ -104,7 +104,7 @@ def test_keep_sets_equal_the_reference(case, backend):
     snapshot = [t.clone() for t in (features, frames, arriving)]
     kept = hk.stce_select(*on_device(features, frames, arriving), first_frame, case.capacity, backend=backend)
     assert kept.dtype == torch.int64 and kept.shape == (case.H, case.B, case.capacity)
-    assert torch.equal(kept.cpu(), trace.kept), f"kept\n{kept.cpu()}\nreference\n{trace.kept}"
+    assert torch.equal(kept.cpu(), trace.keep), f"kept\n{kept.cpu()}\nreference\n{trace.keep}"
     for before, after in zip(snapshot, (features, frames, arriving)):
         assert same_bytes(before, after), "an input changed"
     # endpoints: the oldest retained frame and the newest arrival always stay
@@ -126,7 +126,7 @@ def test_keep_sets_ignore_the_feature_scale_and_a_common_shift(case, backend, tr
     else:
         features, arriving = features + 1024, arriving + 1024
     kept = hk.stce_select(*on_device(features, frames, arriving), first_frame, case.capacity, backend=backend)
-    assert torch.equal(kept.cpu(), trace.kept), f"{transform}: kept\n{kept.cpu()}\nreference\n{trace.kept}"
+    assert torch.equal(kept.cpu(), trace.keep), f"{transform}: kept\n{kept.cpu()}\nreference\n{trace.keep}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -153,7 +153,7 @@ def test_a_chunk_equals_its_frames_one_by_one(backend):
             torch.stack([feature_of[h, b, f] if f >= 0 else torch.full_like(features[0, 0, 0], float("nan"))
                          for f in kept[h, b].tolist()]) for b in range(case.B)]) for h in range(case.H)])
     assert torch.equal(held_frames, together)
-    assert torch.equal(together.cpu(), trace.kept)
+    assert torch.equal(together.cpu(), trace.keep)
 
 
 def line_features(times: torch.Tensor, D: int, g: torch.Generator) -> torch.Tensor:
@@ -256,8 +256,8 @@ def test_bad_input_raises_before_writing(backend):
     bad_calls = [
         (ValueError, "features", (features[0], frames, arriving, first_frame, 6)),
         (TypeError, "features", (features.half(), frames, arriving, first_frame, 6)),
-        (TypeError, "frames", (features, frames.to(torch.int32), arriving, first_frame, 6)),
-        (ValueError, "frames", (features, frames[..., :-1], arriving, first_frame, 6)),
+        (TypeError, "slot_frames", (features, frames.to(torch.int32), arriving, first_frame, 6)),
+        (ValueError, "slot_frames", (features, frames[..., :-1], arriving, first_frame, 6)),
         (TypeError, "arriving", (features, frames, arriving.double(), first_frame, 6)),
         (ValueError, "arriving", (features, frames, arriving[..., :-1], first_frame, 6)),
         (ValueError, "capacity", (features, frames, arriving, first_frame, 1)),
@@ -265,8 +265,8 @@ def test_bad_input_raises_before_writing(backend):
         (ValueError, "first_frame", (features, frames, arriving, -1, 6)),
     ]
     if DEVICE == "cpu":  # contents checks run on CPU tensors only (a GPU read would be a host sync)
-        bad_calls += [(ValueError, "frames", (features, twice, arriving, first_frame, 6)),
-                      (ValueError, "frames", (features, frames, arriving, first_frame, 5)),  # 6 held > 5
+        bad_calls += [(ValueError, "slot_frames", (features, twice, arriving, first_frame, 6)),
+                      (ValueError, "slot_frames", (features, frames, arriving, first_frame, 5)),  # 6 held > 5
                       (ValueError, "first_frame", (features, frames, arriving, int(frames.max()), 6)),
                       (ValueError, "arriving", (features, frames, nan_arriving, first_frame, 6))]
     for error, name, args in bad_calls:

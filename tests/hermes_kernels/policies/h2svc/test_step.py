@@ -19,12 +19,13 @@ import pytest
 import torch
 
 import hermes_kernels as hk
-from hermes_kernels import native
+from hermes_kernels import StreamClock, native
 from hermes_kernels.policies.h2svc import step as step_kernels
 from hermes_kernels.rows import dense_rank
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes_kernels.policies.h2svc import reference as ref
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
+from hermes_kernels.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import INTERLEAVED, TOL, assert_close_verbose, inv_freq_for, require_c_library, same_bytes
 
@@ -33,7 +34,7 @@ F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float6
 MARGIN = 1e-3
 SPARE = 3  # buffer slots past C in "view" layouts, NaN / poison, checked untouched
 POSITION_POISON = -(2 ** 40)
-# (D, mrope_section): 1D, contiguous sections (Qwen2.5-VL) and interleaved ones (Qwen3-VL, "il"); D = 8 and 12:
+# (D, rotary): 1D, contiguous sections (Qwen2.5-VL) and interleaved ones (Qwen3-VL, "il"); D = 8 and 12:
 # rows of 16 and 48 bytes, not whole 32-byte vectors (the C walk must not stream-store them)
 ROPES = {"1d": (16, None), "mrope": (16, (2, 3, 3)), "mrope128": (128, (16, 24, 24)), "1d-d8": (8, None),
          "mrope-d12": (12, (2, 2, 2)), "il": (16, INTERLEAVED[16]), "il128": (128, INTERLEAVED[128]),
@@ -200,9 +201,9 @@ def step_args(cfg: H2SVCConfig, case: Case, block: Block) -> tuple[tuple, dict]:
     D, section = ROPES[case.rope]
     args = (block.keys, block.values, block.positions, block.slot_frames, cfg, case.cls,
             inv_freq_for(D, device=DEVICE), section)
-    kwargs = dict(held=case.held, num_frames=case.chunk, first_frame=block.first_frame, reindex=case.reindex,
-                  next_position=block.next_position, features=block.features)
-    return args, kwargs
+    clock = StreamClock(held=case.held, num_frames=case.chunk, first_frame=block.first_frame,
+                        reindexed=torch.tensor(case.reindex), next_position=block.next_position)
+    return args, dict(clock=clock, features=block.features)
 
 
 def tie_free_block(cfg: H2SVCConfig, case: Case, seed: int, attempts: int = 50) -> Block:
@@ -261,8 +262,8 @@ def run_case(cfg: H2SVCConfig, case: Case, backend: str, seed: int) -> None:
 
     W, P, T = cfg.window(case.cls), cfg.prefix_len, cfg.tokens_per_frame
     held_after = min(W, case.held + case.chunk)
-    assert result.held == want.held == held_after and result.compacted is case.reindex
-    assert result.kept is got.slot_frames
+    assert result.held == want.held == held_after and bool(result.reindexed) is case.reindex
+    assert result.keep is got.slot_frames
     assert torch.equal(got.slot_frames.cpu(), expected.slot_frames.cpu())
     assert torch.equal(got.positions.cpu(), expected.positions.cpu()), "positions differ"
     assert same_bytes(got.values, expected.values), "values are not bit-exact copies"
@@ -290,7 +291,7 @@ def run_case(cfg: H2SVCConfig, case: Case, backend: str, seed: int) -> None:
         pos = got.positions.cpu()
         pos = pos if pos.dim() == 4 else pos.unsqueeze(2)
         retained = pos[..., home]
-        assert (retained.amax(dim=(-1, -2)) == kwargs["next_position"] - 1).all()
+        assert (retained.amax(dim=(-1, -2)) == kwargs["clock"].next_position - 1).all()
         assert (retained.amin(dim=-1) >= P).all() and torch.equal(pos[..., :P], torch.arange(P).expand_as(pos[..., :P]))
         # keys are the model's own RoPE at the new positions
         atol, rtol = TOL[case.dtype]
@@ -320,9 +321,10 @@ def test_fifo_windows_over_a_stream(cls, chunks, backend):
     for chunk in chunks:
         values[:, :, P + held * T:P + (held + chunk) * T] = seen + torch.arange(chunk, device=DEVICE) \
             .repeat_interleave(T).view(1, 1, -1, 1).float()  # a frame's values carry its index
+        clock = StreamClock(held=held, num_frames=chunk, first_frame=seen, reindexed=torch.tensor(False),
+                            next_position=P + (held + chunk) * T)
         result = hk.h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq_for(16, device=DEVICE),
-                               held=held, num_frames=chunk, first_frame=seen, reindex=False,
-                               next_position=P + (held + chunk) * T, backend=backend)
+                               clock=clock, backend=backend)
         seen += chunk
         held = result.held
         newest = list(range(max(0, seen - W), seen))
@@ -356,9 +358,9 @@ def launches_for(cls: int, num_layers: int, B: int) -> int:
     case = Case(cls, cfg.window(cls), 2, "1d", False, F32, "contiguous", B=B)
     block = make_block(cfg, case, seed=num_layers)
     args, kwargs = step_args(cfg, case, block)
-    before = hk.launch_count()
+    before = launch_count()
     hk.h2svc_step(*args, **kwargs, backend="triton")
-    return hk.launch_count() - before
+    return launch_count() - before
 
 
 @pytest.mark.parametrize("cls, launches", [(EPISODIC, 3), (SHORT, 1)])
@@ -398,10 +400,12 @@ def test_bad_input_raises_before_writing(backend):
     nan_values[1, 0, cfg.prefix_len + 4 * cfg.tokens_per_frame, 2] = float("nan")  # an arriving frame's token
 
     def call(error, name, *changes, **kw):
+        """A call with positional `changes` and keyword changes: `features=` replaces the features, any other
+        keyword a field of the clock (the clock is built inside the raises block: its own checks count too)."""
         changed = list(args)
         for index, value in changes:
             changed[index] = value
-        return error, name, changed, {**kwargs, **kw}
+        return error, name, changed, kw
 
     bad = [
         call(ValueError, "keys", (0, keys[0])),
@@ -412,25 +416,30 @@ def test_bad_input_raises_before_writing(backend):
         call(TypeError, "cfg", (4, cfg.__dict__)),
         call(ValueError, "cls", (5, 3)),
         call(ValueError, "inv_freq", (6, inv_freq[:-1])),
-        call(ValueError, "mrope_section", (7, [2, 3, 4])),
-        call(ValueError, "mrope_section", (7, INTERLEAVED[8])),
+        call(ValueError, "rotary", (7, [2, 3, 4])),
+        call(ValueError, "rotary", (7, INTERLEAVED[8])),
         call(ValueError, "positions", (7, RotaryLayout.one_d(8))),
-        call(ValueError, "held", held=5),
-        call(ValueError, "num_frames", num_frames=0),
+        call(ValueError, r"clock\.held", held=5),
+        call(ValueError, r"clock\.num_frames", num_frames=0),
         call(ValueError, "keys", num_frames=3),  # the block has room for held + 2 frames only
-        call(TypeError, "reindex", reindex=1),
-        call(ValueError, "next_position", next_position=cfg.prefix_len + 4 * cfg.tokens_per_frame - 1),
+        call(TypeError, r"clock\.reindexed", reindexed=True),
+        call(TypeError, r"clock\.reindexed", reindexed=torch.tensor(1)),
+        call(ValueError, r"clock\.next_position", next_position=cfg.prefix_len + 4 * cfg.tokens_per_frame - 1),
         call(TypeError, "features", features=None),
         call(ValueError, "features", features=block.features[..., :-1]),
-        call(TypeError, "first_frame", first_frame=None),
+        call(TypeError, r"clock\.first_frame", first_frame=None),
     ]
     if DEVICE == "cpu":  # contents checks run on CPU tensors only (a GPU read would be a host sync)
         bad += [call(ValueError, "slot_frames", (3, twice)),
-                call(ValueError, "first_frame", first_frame=int(slot_frames.max())),
+                call(ValueError, r"clock\.first_frame", first_frame=int(slot_frames.max())),
                 call(ValueError, "values", (1, nan_values))]
-    for error, name, call_args, call_kwargs in bad:
+    for error, name, call_args, changes in bad:
         with pytest.raises(error, match=f"^{name}"):
-            hk.h2svc_step(*call_args, **call_kwargs, backend=backend)
+            features = changes.pop("features", kwargs["features"])
+            clock = dataclasses.replace(kwargs["clock"], **changes)
+            hk.h2svc_step(*call_args, clock=clock, features=features, backend=backend)
+    with pytest.raises(TypeError, match="^clock"):
+        hk.h2svc_step(*args, clock=dataclasses.asdict(kwargs["clock"]), features=block.features, backend=backend)
     fifo = Case(SHORT, 3, 1, "1d", False, F32, "contiguous")
     fifo_block = make_block(cfg, fifo, seed=98)
     fifo_args, fifo_kwargs = step_args(cfg, fifo, fifo_block)

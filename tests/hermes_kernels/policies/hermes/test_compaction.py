@@ -21,6 +21,7 @@ from hermes_kernels.policies.hermes import compaction_triton
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import RotaryLayout, rotary_cos_sin
+from hermes_kernels.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import (INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, require_c_library,
                          rope_id, synthetic_positions)
@@ -127,7 +128,7 @@ def make_cache(case: Case, g: torch.Generator, positions: torch.Tensor | None = 
 
 
 def setup_case(case: Case, seed: int, positions: torch.Tensor | None = None, cfg: HermesConfig | None = None):
-    """(cfg, keys, values, positions, buffers, attn, keep, inv_freq, mrope_section) of one fresh seeded cache;
+    """(cfg, keys, values, positions, buffers, attn, keep, inv_freq, rotary) of one fresh seeded cache;
     keep is the reference's selection from attn."""
     g = torch.Generator().manual_seed(seed)
     cfg = make_config(case)[0] if cfg is None else cfg
@@ -246,9 +247,9 @@ def test_many_tiles_move_left_to_right(backend, monkeypatch):
 
 def launches_for(L: int, B: int) -> int:
     case = Case("llava_ov", L, B, 1, 16, 2, 12, 6, F32, None, "eager", True, "contiguous")
-    before = hk.launch_count()
+    before = launch_count()
     run_case(case, "triton", seed=L + B)
-    return hk.launch_count() - before
+    return launch_count() - before
 
 
 def test_triton_launch_count_independent_of_layers_and_streams():
@@ -271,11 +272,11 @@ def test_bad_input_raises_before_writing(backend):
         (TypeError, "keep", (keys, values, positions, keep.to(torch.int32), cfg, inv_freq, [2, 3, 3])),
         (TypeError, "positions", (keys, values, positions.float(), keep, cfg, inv_freq, [2, 3, 3])),
         (ValueError, "positions", (keys, values, positions, keep, cfg, inv_freq, None)),
-        (ValueError, "mrope_section", (keys, values, positions, keep, cfg, inv_freq, [2, 3, 4])),
-        (ValueError, "mrope_section", (keys, values, positions, keep, cfg, inv_freq, INTERLEAVED[8])),
+        (ValueError, "rotary", (keys, values, positions, keep, cfg, inv_freq, [2, 3, 4])),
+        (ValueError, "rotary", (keys, values, positions, keep, cfg, inv_freq, INTERLEAVED[8])),
         (ValueError, "positions", (keys, values, positions, keep, cfg, inv_freq, RotaryLayout.one_d(8))),
         (ValueError, "positions", (keys, values, positions[:, :, 0], keep, cfg, inv_freq, INTERLEAVED[16])),
-        (TypeError, "mrope_section", (keys, values, positions, keep, cfg, inv_freq, "t, h, w")),
+        (TypeError, "rotary", (keys, values, positions, keep, cfg, inv_freq, "t, h, w")),
         (ValueError, "inv_freq", (keys, values, positions, keep, cfg, inv_freq[:-1], [2, 3, 3])),
         (TypeError, "values", (keys, values.half(), positions, keep, cfg, inv_freq, [2, 3, 3])),
     ]
@@ -317,7 +318,7 @@ def assert_shared_flag_matters(positions: torch.Tensor, cfg: HermesConfig, shift
     """With a shifted last layer the whole cache re-indexes while the other layers alone would not: a stack
     deciding on its own positions would get a different result."""
     if shifted:
-        assert bool(ref.reindex_flag(positions, cfg)) and not bool(ref.reindex_flag(positions[:-1], cfg))
+        assert bool(ref.decide_reindex(positions, cfg)) and not bool(ref.decide_reindex(positions[:-1], cfg))
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -333,13 +334,13 @@ def test_layer_ranges_with_a_shared_flag_equal_the_whole_cache(split, backend):
     assert_shared_flag_matters(positions, cfg, shifted)
     rk, rv, rp = keys.clone(), values.clone(), positions.clone()
     ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
-    flag = ref.reindex_flag(positions, cfg)
+    flag = ref.decide_reindex(positions, cfg)
     for start, stop in ranges:
-        before = hk.launch_count()
+        before = launch_count()
         length, used = hk.compact(keys[start:stop], values[start:stop], positions[start:stop], keep[start:stop], cfg,
-                                  inv_freq, section, backend=backend, layers=range(start, stop), compacted_flag=flag)
+                                  inv_freq, section, backend=backend, layers=range(start, stop), reindexed=flag)
         assert length == ref_length and used is flag
-        assert hk.launch_count() - before == (3 if backend == "triton" else 0)
+        assert launch_count() - before == (3 if backend == "triton" else 0)
     assert bool(flag) == bool(ref_flag)
     assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), ref_length, keep, bool(ref_flag), buffers)
 
@@ -358,7 +359,7 @@ def test_explicit_flag_wins_over_the_config(mode, flag, section, backend):
     assert bool(ref_flag) == flag
     given = torch.tensor(flag, device=DEVICE)
     length, used = hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend=backend,
-                              compacted_flag=given)
+                              reindexed=given)
     assert length == ref_length and used is given and bool(given) == flag
     assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), length, keep, flag, buffers)
 
@@ -374,10 +375,10 @@ def test_bad_layers_or_flag_raise_before_writing(backend):
         (ValueError, "layers", dict(layers=range(2, 2))),
         (ValueError, "layers", dict(layers=range(1, 5))),
         (ValueError, "keys", dict(layers=range(1, 4))),
-        (TypeError, "compacted_flag", dict(compacted_flag=False)),
-        (TypeError, "compacted_flag", dict(compacted_flag=torch.tensor(0, device=DEVICE))),
-        (ValueError, "compacted_flag", dict(compacted_flag=torch.ones(1, dtype=torch.bool, device=DEVICE))),
-        (ValueError, "compacted_flag", dict(compacted_flag=torch.tensor(True, device="meta"))),
+        (TypeError, "reindexed", dict(reindexed=False)),
+        (TypeError, "reindexed", dict(reindexed=torch.tensor(0, device=DEVICE))),
+        (ValueError, "reindexed", dict(reindexed=torch.ones(1, dtype=torch.bool, device=DEVICE))),
+        (ValueError, "reindexed", dict(reindexed=torch.tensor(True, device="meta"))),
     ]
     for error, name, changes in bad:
         with pytest.raises(error, match=name):
@@ -405,12 +406,12 @@ def test_compress_stacks_equals_the_whole_step(split, backend):
     expected = ref.compress_step(rk, rv, rp, attn, cfg, inv_freq, section)
     got = hk.compress_stacks(stacks_of(ranges, keys, values, positions, inv_freq), attn, cfg, section,
                              backend=backend)
-    assert got.length == expected.length and got.compacted == expected.compacted
-    assert got.compacted_flag.dim() == 0 and got.compacted_flag.device == attn.device
+    assert got.length == expected.length and bool(got.reindexed) == bool(expected.reindexed)
+    assert got.reindexed.dim() == 0 and got.reindexed.device == attn.device
     assert torch.equal(got.keep.cpu(), expected.keep.cpu()), "keep indices differ"
     assert_close_verbose(got.scores, expected.scores, 1e-5, 1e-5, "scores")
     assert_compacted_like(case, (keys, values, positions), (rk, rv, rp), got.length, expected.keep,
-                          expected.compacted, buffers)
+                          bool(expected.reindexed), buffers)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

@@ -6,13 +6,15 @@ import torch
 import hermes_kernels as hk
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
+from hermes_kernels.launch import launch_count
+from hermes_kernels.dispatch import resolve_backend
 from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, rope_id
 from tests.utils import synthetic_positions
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 
-# (L, B, Hkv, D, P, V, budget, dtype, mrope_section, reindex, cascade, summary, preset)
+# (L, B, Hkv, D, P, V, budget, dtype, rotary, reindex, cascade, summary, preset)
 CASES = [
     (4, 1, 2, 64, 0, 37, 16, torch.float32, None, "eager", True, True, "qwen2_5_vl"),
     (5, 3, 1, 128, 14, 41, 20, torch.float16, None, "lazy", True, True, "llava_ov"),
@@ -51,7 +53,7 @@ def run_case(case, backend, seed, start=0, max_positions=None):
     assert (keys.data_ptr(), values.data_ptr(), positions.data_ptr()) == ptrs, "not in place"
     assert torch.isnan(keys_buf[..., N:, :]).all() and torch.isnan(values_buf[..., N:, :]).all(), "wrote past N"
     assert got.length == expected.length
-    assert got.compacted == expected.compacted
+    assert bool(got.reindexed) == bool(expected.reindexed)
     assert torch.equal(got.keep.cpu(), expected.keep.cpu()), "keep indices differ"
     assert_close_verbose(got.scores, expected.scores, 1e-5, 1e-5, "scores")
     n = got.length
@@ -73,15 +75,15 @@ def test_matches_reference(case, backend):
 @pytest.mark.parametrize("section", [None, [2, 3, 3], INTERLEAVED[16]], ids=rope_id)
 def test_lazy_threshold_crossed(backend, section):
     case = (4, 2, 1, 16, 3, 25, 10, torch.float32, section, "lazy", True, True, "qwen2_5_vl")
-    assert not run_case(case, backend, seed=5, start=100, max_positions=1000).compacted
-    assert run_case(case, backend, seed=5, start=1000, max_positions=1000).compacted
+    assert not bool(run_case(case, backend, seed=5, start=100, max_positions=1000).reindexed)
+    assert bool(run_case(case, backend, seed=5, start=1000, max_positions=1000).reindexed)
 
 
 def launches_for(L, B):
     case = (L, B, 1, 16, 2, 12, 6, torch.float32, None, "eager", True, True, "llava_ov")
-    before = hk.launch_count()
+    before = launch_count()
     run_case(case, "triton", seed=L + B)
-    return hk.launch_count() - before
+    return launch_count() - before
 
 
 def test_launch_count_independent_of_layers_and_streams():
@@ -109,9 +111,9 @@ def test_bad_input_leaves_cache_unchanged(backend):
 
 
 def test_auto_backend_follows_the_device():
-    assert hk.resolve_backend("auto", torch.device("cpu")) == "torch"
-    assert hk.resolve_backend("auto", torch.device("cuda", 0)) == "triton"
-    assert hk.resolve_backend("torch", torch.device("cuda", 0)) == "torch"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
+    assert resolve_backend("torch", torch.device("cuda", 0)) == "torch"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real model shapes are checked on a GPU only (CPU: interpreter)")

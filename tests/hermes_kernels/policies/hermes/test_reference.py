@@ -124,7 +124,7 @@ def test_summary_is_mean_of_pruned_rotated_to_target(dtype, P):
     k0, v0, p0 = keys.clone(), values.clone(), positions.clone()
     inv_freq = inv_freq_for(D)
     result = ref.compress_step(keys, values, positions, attn, cfg, inv_freq)
-    assert result.length == P + budget and result.compacted
+    assert result.length == P + budget and bool(result.reindexed)
     work = torch.float64 if dtype == torch.float64 else torch.float32
     for b in range(B):
         # deepest layer is unsmoothed attention-only: it keeps the top budget-1 attention scores
@@ -148,7 +148,7 @@ def test_single_pruned_token_summary_is_that_token_moved():
     k0, v0, p0 = keys.clone(), values.clone(), positions.clone()
     inv_freq = inv_freq_for(D)
     result = ref.compress_step(keys, values, positions, attn, cfg, inv_freq)
-    assert not result.compacted and result.length == P + budget
+    assert not bool(result.reindexed) and result.length == P + budget
     for layer in (2, 3):
         kept = result.keep[layer, 0, :budget - 1]
         (dropped,) = [j for j in range(budget) if j not in kept.tolist()]
@@ -194,14 +194,14 @@ def test_lazy_keeps_positions_until_threshold_then_compacts():
     assert positions.max() <= max_positions - margin
     p0 = positions.clone()
     result = ref.compress_step(keys, values, positions, attn, below, inv_freq_for(D))
-    assert not result.compacted
+    assert not bool(result.reindexed)
     for layer in range(4):
         n = int((result.keep[layer, 0] >= 0).sum())
         assert positions[layer, 0, P:P + n].tolist() == p0[layer, 0, P + result.keep[layer, 0, :n]].tolist()
     keys, values, positions, attn = make_cache(4, 1, 1, N, D, P, seed=11, start=3100 - P)
     assert positions.max() > max_positions - margin
     result = ref.compress_step(keys, values, positions, attn, below, inv_freq_for(D))
-    assert result.compacted
+    assert bool(result.reindexed)
     assert positions[:, 0, :P + budget].tolist() == [list(range(P + budget))] * 4
 
 
@@ -277,13 +277,13 @@ def bad_calls():
         ("attn dtype", lambda a: a | dict(attn=a["attn"].half()), TypeError, "attn"),
         ("attn layers", lambda a: a | dict(attn=a["attn"][:-1]), ValueError, "attn"),
         ("inv_freq length", lambda a: a | dict(inv_freq=a["inv_freq"][:-1]), ValueError, "inv_freq"),
-        ("1D positions with mrope", with_(mrope_section=[1, 3, 4]), ValueError, "positions"),
+        ("1D positions with mrope", with_(rotary=[1, 3, 4]), ValueError, "positions"),
         ("mrope sum", lambda a: a | dict(positions=torch.zeros(4, 2, 3, 12, dtype=torch.int64),
-                                         mrope_section=[1, 1, 1]), ValueError, "mrope_section"),
-        ("1D positions with interleaved", with_(mrope_section=INTERLEAVED[16]), ValueError, "positions"),
+                                         rotary=[1, 1, 1]), ValueError, "rotary"),
+        ("1D positions with interleaved", with_(rotary=INTERLEAVED[16]), ValueError, "positions"),
         ("interleaved pairs", lambda a: a | dict(positions=torch.zeros(4, 2, 3, 12, dtype=torch.int64),
-                                                 mrope_section=INTERLEAVED[8]), ValueError, "mrope_section"),
-        ("mrope_section type", with_(mrope_section=4), TypeError, "mrope_section"),
+                                                 rotary=INTERLEAVED[8]), ValueError, "rotary"),
+        ("rotary type", with_(rotary=4), TypeError, "rotary"),
         ("cfg type", with_(cfg={"budget": 4}), TypeError, "cfg"),
         ("layers vs cfg", lambda a: a | dict(cfg=config(L=5, budget=5, P=3)), ValueError, "keys"),
         ("no visual tokens", lambda a: a | dict(cfg=config(budget=5, P=12)), ValueError, "keys"),
@@ -294,7 +294,7 @@ def bad_calls():
 def test_bad_inputs_raise_before_writing(desc, mutate, error, fragment):
     keys, values, positions, attn = make_cache(4, 2, 2, 12, 16, 3, seed=15)
     args = dict(keys=keys, values=values, positions=positions, attn=attn, cfg=config(budget=5, P=3),
-                inv_freq=inv_freq_for(16), mrope_section=None)
+                inv_freq=inv_freq_for(16), rotary=None)
     args = mutate(args)
     snapshot = [t.clone() for t in (keys, values, positions, attn)]
     with pytest.raises(error, match=fragment):
@@ -319,7 +319,7 @@ def split_compact(keys, values, positions, keep, cfg, inv_freq, section, splits,
     for layers in splits:
         part = slice(layers.start, layers.stop)
         length, used = ref.compact(keys[part], values[part], positions[part], keep[part], cfg, inv_freq, section,
-                                   layers=layers, compacted_flag=flag)
+                                   layers=layers, reindexed=flag)
         assert used is flag
         lengths.add(length)
     assert len(lengths) == 1
@@ -344,7 +344,7 @@ def test_layer_subsets_with_a_shared_flag_equal_the_whole_cache(splits, reindex,
     length, flag = ref.compact(*whole, keep, cfg, inv_freq, section)
     assert bool(flag) == (reindex == "eager" or last_layer_shift > 0)
     if last_layer_shift:
-        assert not ref.reindex_flag(positions[:-1], cfg), "the other layers alone must stay below the threshold"
+        assert not ref.decide_reindex(positions[:-1], cfg), "the other layers alone must stay below the threshold"
     assert split_compact(keys, values, positions, keep, cfg, inv_freq, section, splits, flag) == length
     for name, got, expected in zip(("keys", "values", "positions"), (keys, values, positions), whole):
         assert torch.equal(got, expected), f"{name} of the split compaction differ from the whole cache's"
@@ -365,7 +365,7 @@ def test_explicit_flag_wins_over_the_config(reindex, flag, mrope):
     _, expected_flag = ref.compact(*expected, keep, deciding, inv_freq, section)
     assert bool(expected_flag) == flag
     given = torch.tensor(flag)
-    ref.compact(keys, values, positions, keep, cfg, inv_freq, section, compacted_flag=given)
+    ref.compact(keys, values, positions, keep, cfg, inv_freq, section, reindexed=given)
     for name, got, want in zip(("keys", "values", "positions"), (keys, values, positions), expected):
         assert torch.equal(got, want), f"{name} do not follow the explicit flag"
 
@@ -379,10 +379,10 @@ def bad_compact_calls():
         ("layers negative", dict(layers=range(-1, 3)), ValueError, "layers"),
         ("layers past L", dict(layers=range(1, 5)), ValueError, "layers"),
         ("layers vs keys", dict(layers=range(0, 3)), ValueError, "keys"),
-        ("flag bool", dict(compacted_flag=True), TypeError, "compacted_flag"),
-        ("flag dtype", dict(compacted_flag=torch.tensor(1)), TypeError, "compacted_flag"),
-        ("flag shape", dict(compacted_flag=torch.tensor([True])), ValueError, "compacted_flag"),
-        ("flag device", dict(compacted_flag=torch.tensor(True, device="meta")), ValueError, "compacted_flag"),
+        ("flag bool", dict(reindexed=True), TypeError, "reindexed"),
+        ("flag dtype", dict(reindexed=torch.tensor(1)), TypeError, "reindexed"),
+        ("flag shape", dict(reindexed=torch.tensor([True])), ValueError, "reindexed"),
+        ("flag device", dict(reindexed=torch.tensor(True, device="meta")), ValueError, "reindexed"),
     ]
 
 
