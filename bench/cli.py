@@ -1,15 +1,9 @@
-"""`python -m bench`: per-chunk compression latency at real model shapes, every stage and backend (the main job).
+"""`python -m bench`, the main job: per-chunk latency of both policies' steps at real model shapes on synthetic caches.
 
-For every HERMES benchmark point (shape x budget x chunk x dtype) it builds one synthetic cache, then times each
-stage (pooled attention for the mixed and global guidance prompts, scoring, selection, compaction, the whole step)
-with each backend; for every H2SVC point (shape x chunk x dtype: full per-class frame memories, no budget) the
-H2SVC stages (frame features, STCE, the step of all three class blocks). It measures the peak extra memory of one
-run, and prints a table with the speed-up over `reference`, the achieved GB/s and the ratio to the memory floor
-(docs/hermes.md §4; bandwidth measured with a copy in the same run), and one line per shape of cache bytes (H2SVC vs a
-dense 64-frame cache vs HERMES at budget 6000). Rows are appended to bench/results/<device>.csv and the HERMES
-step latencies plotted to bench/results/<device>.png. Then the cache bytes of a 512 s stream at the 7B shapes
-(full vs HERMES vs H2SVC, bench/stream_memory.py) and one end-to-end streaming step of a tiny model, HERMES and
-H2SVC (bench/e2e.py).
+The first run times the whole step of HERMES and H2SVC at the LLaVA-OV-7B and Qwen2.5-VL-7B shapes with every backend
+that runs on the device, the ratio to the memory floor and the plot; `--full` times every stage on the grid,
+`--quick` is CI's smoke run. Rows go to bench/results/<device>.csv, the plot to <device>.png; then the memory of a
+512 s stream and one end-to-end step of a tiny model. How to read it: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -41,17 +35,26 @@ RESULTS_DIR = Path(__file__).parent / "results"
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32}
 
-# Defaults per device. CPU: the two 7B shapes (1D RoPE and M-RoPE), both budgets, two chunk sizes, fp32,
-# sized to finish in a few minutes on 2 cores. CUDA: every shape, fp16, more chunk sizes and repeats.
+# Defaults per run. The first run (no flag) is the headline: the whole step of both policies at the two 7B shapes
+# (1D RoPE and M-RoPE), one budget and chunk, every backend that runs on the device, with the floor ratio and the
+# plot. --full is the grid. CPU: both budgets, two chunk sizes, fp32, every stage but the released-style guidance
+# pass (its rows take about a minute each on 2 cores). CUDA: every shape, fp16, more chunk sizes and repeats.
 # The released-style rows (stages released_*) are slow Python: `released_repeats` timed runs, no warm-up besides
-# the memory run; on CPU the guidance pass is left out (its released-style rows take about a minute each).
+# the memory run.
+HEADLINE_STAGES = ["step", "h2svc_step"]
 DEFAULTS = {
-    "cpu": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=list(BUDGETS), chunks=[8, CHUNK_FRAMES],
-                dtypes=["float32"], repeats=10, reference_repeats=5, warmup=2, released_repeats=1,
-                stages=[s for s in STAGES if s != "released_guidance"]),
-    "cuda": dict(shapes=list(SHAPES), budgets=list(BUDGETS), chunks=[4, 8, CHUNK_FRAMES],
-                 dtypes=["float16"], repeats=50, reference_repeats=5, warmup=5, released_repeats=5,
-                 stages=list(STAGES)),
+    "cpu": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=[max(BUDGETS)], chunks=[CHUNK_FRAMES],
+                dtypes=["float32"], repeats=5, reference_repeats=3, warmup=1, released_repeats=1,
+                stages=HEADLINE_STAGES),
+    "cuda": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=[max(BUDGETS)], chunks=[CHUNK_FRAMES],
+                 dtypes=["float16"], repeats=20, reference_repeats=3, warmup=3, released_repeats=1,
+                 stages=HEADLINE_STAGES),
+    "cpu-full": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=list(BUDGETS), chunks=[8, CHUNK_FRAMES],
+                     dtypes=["float32"], repeats=10, reference_repeats=5, warmup=2, released_repeats=1,
+                     stages=[s for s in STAGES if s != "released_guidance"]),
+    "cuda-full": dict(shapes=list(SHAPES), budgets=list(BUDGETS), chunks=[4, 8, CHUNK_FRAMES],
+                      dtypes=["float16"], repeats=50, reference_repeats=5, warmup=5, released_repeats=5,
+                      stages=list(STAGES)),
     "quick": dict(shapes=list(SMOKE_SHAPES), budgets=[64], chunks=[1], dtypes=None, repeats=3,
                   reference_repeats=3, warmup=1, released_repeats=1, stages=list(STAGES)),
 }
@@ -59,25 +62,31 @@ DEFAULTS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: tiny shapes, few repeats, results into a temporary folder")
+    runs = p.add_mutually_exclusive_group()
+    runs.add_argument("--quick", action="store_true",
+                      help="smoke run: tiny shapes, few repeats, results into a temporary folder")
+    runs.add_argument("--full", action="store_true",
+                      help="the whole grid: every stage, both budgets, more chunk sizes (CPU: 10 minutes and more)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu or cuda[:i] (default: cuda when available)")
     p.add_argument("--shapes", nargs="+", help=f"model shapes, from {sorted(SHAPES) + sorted(SMOKE_SHAPES)} "
-                   "(default: per device)")
-    p.add_argument("--budgets", nargs="+", type=int, help="visual tokens kept per layer (default 4000 6000)")
-    p.add_argument("--chunks", nargs="+", type=int, help="frames per chunk (default: per device)")
+                   "(default: llava-ov-7b qwen2.5-vl-7b; --full on CUDA: all)")
+    p.add_argument("--budgets", nargs="+", type=int,
+                   help="visual tokens kept per layer (default 6000; --full: 4000 6000)")
+    p.add_argument("--chunks", nargs="+", type=int, help="frames per chunk (default 16; --full: per device)")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="cache dtype (default fp32 CPU, fp16 CUDA)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                    help="default: all (triton only on CUDA; torch-ops, the torch backend without its C code, only "
                         "on CPU for compact, step, h2svc_stce and h2svc_step)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES),
-                   help="default: all (on CPU without --quick: all but released_guidance)")
-    p.add_argument("--repeats", type=int, help="timed runs per point (default 10 CPU, 50 CUDA)")
-    p.add_argument("--reference-repeats", type=int, help="timed runs of the reference backend (default 5)")
+                   help="default: step h2svc_step, the whole step of each policy (--full: all; on CPU all but "
+                        "released_guidance)")
+    p.add_argument("--repeats", type=int,
+                   help="timed runs per point (default 5 CPU, 20 CUDA; --full: 10 CPU, 50 CUDA)")
+    p.add_argument("--reference-repeats", type=int, help="timed runs of the reference backend (default 3; --full: 5)")
     p.add_argument("--released-repeats", type=int,
-                   help="timed runs of the released-style rows of the released_* stages (default 1 CPU, 5 CUDA)")
-    p.add_argument("--warmup", type=int, help="untimed runs first (default 2 CPU, 5 CUDA)")
+                   help="timed runs of the released-style rows of the released_* stages (default 1; --full CUDA: 5)")
+    p.add_argument("--warmup", type=int, help="untimed runs first (default 1 CPU, 3 CUDA; --full: 2 CPU, 5 CUDA)")
     p.add_argument("--batch", type=int, default=1, help="streams in lockstep, B (default 1)")
     p.add_argument("--reindex", choices=("eager", "lazy"), default="eager",
                    help="eager re-indexes every step (the worst case: every kept key is rotated); lazy "
@@ -91,7 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end streaming step")
     args = p.parse_args(argv)
-    defaults = DEFAULTS["quick" if args.quick else ("cuda" if args.device.startswith("cuda") else "cpu")]
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    defaults = DEFAULTS["quick" if args.quick else f"{kind}-full" if args.full else kind]
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -272,7 +272,22 @@ def test_released_stages_run_once_per_shape_with_their_ratio():
     assert len(line) == 1 and "accelerate(backend='torch') vs the released-style code" in line[0]
 
 
-def test_the_cpu_default_leaves_the_released_guidance_out():
-    assert "released_guidance" not in cli.parse_args([]).stages or DEVICE.type == "cuda"
+def test_the_cpu_grid_leaves_the_released_guidance_out():
+    assert "released_guidance" not in cli.parse_args(["--full", "--device", "cpu"]).stages
     assert "released_guidance" in cli.parse_args(["--quick"]).stages
-    assert {"released_step", "released_guidance"} <= set(cli.parse_args(["--device", "cuda"]).stages)
+    assert {"released_step", "released_guidance"} <= set(cli.parse_args(["--full", "--device", "cuda"]).stages)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_first_run_is_the_headline_and_full_is_the_grid(device):
+    """No flag: the whole step of both policies at the two 7B shapes, one budget and chunk (a newcomer's first
+    command, about two minutes on 2 cores); --full: every stage over both budgets and more chunks; --quick and
+    --full together are refused."""
+    first = cli.parse_args(["--device", device])
+    assert first.stages == ["step", "h2svc_step"] and first.budgets == [6000] and first.chunks == [16]
+    assert first.shapes == ["llava-ov-7b", "qwen2.5-vl-7b"]
+    full = cli.parse_args(["--full", "--device", device])
+    assert {"scores", "select", "compact", "h2svc_stce", "released_step"} <= set(full.stages)
+    assert full.budgets == [4000, 6000] and len(full.chunks) >= 2
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--full", "--quick"])
