@@ -1,14 +1,5 @@
-"""LLaVA-OneVision (Qwen2 language model, 1D RoPE).
-
-A frame goes through the vision tower, the projector and 2x2 bilinear pooling: ceil(h/2) * ceil(w/2) tokens
-for an h x w patch grid (196 for the 7B model's 384 px / 14 px patches). `get_video_features` appends one
-`image_newline` token after the whole video; a stream has no end, so the chunks carry no newline token.
-Positions are 1D and run on from each layer's last position (§2.7).
-
-Video frames are resized straight to the vision tower's square (`size`, 384 x 384 for the released models)
-without anyres tiling, then rescaled and normalised: what transformers' `LlavaOnevisionVideoProcessor` does,
-and what `LlavaOneVisionPilVideoProcessor` does without torchvision.
-"""
+"""LLaVA-OneVision (Qwen2 language model, 1D RoPE): a chunk is its frames' pooled vision features, without the
+newline token a whole video would end with (docs/families.md#llava-onevision)."""
 from __future__ import annotations
 
 import math
@@ -16,8 +7,7 @@ import math
 import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-from . import ModelFamily, VideoChunk, check_pixels
-from .processing import PilVideoProcessor
+from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels
 
 
 class LlavaOneVisionPilVideoProcessor(PilVideoProcessor):
@@ -35,25 +25,24 @@ class LlavaOneVisionPilVideoProcessor(PilVideoProcessor):
 
 
 class LlavaOneVision(ModelFamily):
-    model_types = ("llava_onevision",)
+    name = "LLaVA-OneVision"
     preset_name = "llava_ov"
+    pil_processor = LlavaOneVisionPilVideoProcessor
+    after_video = "\n"
 
     def rotary(self, model):
         return self.language_model(model).rotary_emb.inv_freq, None
 
     def tokens_per_frame(self, model, frame_size=None, tokenizer=None) -> int:
+        """ceil(side / 2)^2 for the tower's side x side patch grid (2 x 2 bilinear pooling); no frame size needed."""
         vision = model.config.vision_config
         side = vision.image_size // vision.patch_size
         return math.ceil(side / 2) ** 2
 
-    def tokens_per_chunk(self, model, frames, frame_size=None, tokenizer=None) -> int:
-        return frames * self.tokens_per_frame(model)
-
     def encode_video(self, model, processor, video, batch_size, **kwargs) -> VideoChunk:
         """video: pixel values [B, F, C, S, S] (or [F, C, S, S] for one stream), S = vision image_size; or raw
         frames (one clip per stream) for `processor.video_processor`. Returns [B, F * tokens_per_frame, hidden]."""
-        if kwargs:
-            raise TypeError(f"append_video: unexpected arguments for LLaVA-OneVision: {sorted(kwargs)}")
+        self.reject_unexpected(kwargs)
         if not isinstance(video, torch.Tensor) and processor is not None:
             video = processor.video_processor(video, return_tensors="pt")["pixel_values_videos"]
         vision = model.config.vision_config
@@ -74,9 +63,6 @@ class LlavaOneVision(ModelFamily):
         embeds = features[:, :-1].to(device=lm.embed_tokens.weight.device, dtype=lm.embed_tokens.weight.dtype)
         return VideoChunk(embeds=embeds, rel_positions=None, frames=video.shape[1], extent=embeds.shape[1] - 1)
 
-    def pil_video_processor(self, image_processor, config):
-        return LlavaOneVisionPilVideoProcessor(image_processor, config)
-
     def prepare_frames(self, processor, frames, fps, start=0.0):
         """{"video": pixel values [1, F, C, S, S]} from frames uint8 [F, H, W, 3] (fps and start play no part)."""
         out = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
@@ -84,10 +70,3 @@ class LlavaOneVision(ModelFamily):
 
     def memory_frames(self, inputs):
         return int(inputs["video"].shape[-4])  # pixel values [1, F, C, S, S] or [F, C, S, S]
-
-    def prefix_text(self, system_prompt):
-        prompt = self.system_prompt if system_prompt is None else system_prompt
-        return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n"
-
-    def question_text(self, question):
-        return f"\n{question}<|im_end|>\n<|im_start|>assistant\n"

@@ -1,17 +1,6 @@
-"""Qwen2.5-VL (M-RoPE: every position is a (t, h, w) triple, docs/hermes.md §2.7).
-
-A chunk of F frames becomes a grid of (F / temporal_patch_size) x (H / patch) x (W / patch) patches, merged
-2x2 by the vision tower into grid_t x (H / patch / merge) x (W / patch / merge) tokens, ordered t-major.
-We build the positions ourselves instead of using transformers' `get_rope_index` (whose 5.x version places
-text after a video below the video's temporal positions): a video token's offsets from the chunk start are
-t = floor(grid index * tokens_per_second * seconds_per_grid), h = merged row, w = merged column; text
-tokens use i on all three axes; every chunk and every text segment starts at the layer's largest position
-+ 1 over all axes. Forwards of the full model always get `position_ids` and `mm_token_type_ids`, so the
-model never falls back to 1D positions.
-
-Video frames go through transformers' `Qwen2VLVideoProcessor` (which Qwen2.5-VL uses), or without torchvision
-through `Qwen2_5_VLPilVideoProcessor`, which returns the same layout (`patchify`).
-"""
+"""Qwen2.5-VL (M-RoPE in contiguous (t, h, w) sections): a chunk is its temporal grid steps' merged patches, with
+positions built here rather than by transformers' `get_rope_index` (docs/families.md#qwen25-vl). Qwen3-VL's family
+subclasses this one."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +9,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImage
 
 from hermes_kernels.rope import RotaryLayout
 
-from . import ModelFamily, VideoChunk, check_pixels
-from .processing import PilVideoProcessor
+from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels
 
 
 def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) \
@@ -65,7 +53,7 @@ class Qwen2_5_VLPilVideoProcessor(PilVideoProcessor):
         # legacy min_pixels / max_pixels override size, as in Qwen2VLVideoProcessor.__init__
         size = dict(settings["size"])
         for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-            if (value := settings.pop(key)) is not None:
+            if (value := settings.pop(key, None)) is not None:
                 size[edge] = value
         return {**settings, "size": size}
 
@@ -93,25 +81,27 @@ def video_rel_positions(grid_thw: tuple[int, int, int], spatial_merge_size: int,
 
 
 class Qwen2_5_VL(ModelFamily):
-    model_types = ("qwen2_5_vl",)
+    name = "Qwen2.5-VL"
     preset_name = "qwen2_5_vl"
+    pil_processor = Qwen2_5_VLPilVideoProcessor
+    before_video = "<|vision_start|>"
+    after_video = "<|vision_end|>"
 
     def rotary(self, model):
         rotary = self.language_model(model).rotary_emb
         return rotary.inv_freq, RotaryLayout.sections(rotary.mrope_section)  # contiguous t, h, w blocks
 
+    def step_frames(self, model):
+        return model.config.vision_config.temporal_patch_size
+
     def tokens_per_frame(self, model, frame_size=None, tokenizer=None) -> int:
         """Merged tokens of one temporal grid step: (height / (patch·merge)) x (width / (patch·merge))."""
         if frame_size is None:
-            raise ValueError("frame_size: Qwen2.5-VL's token count depends on the frame size; pass "
+            raise ValueError(f"frame_size: {self.name}'s token count depends on the frame size; pass "
                              "frame_size=(height, width) of the processed frames or chunk_tokens")
         vision = model.config.vision_config
         side = vision.patch_size * vision.spatial_merge_size
         return (frame_size[0] // side) * (frame_size[1] // side)
-
-    def tokens_per_chunk(self, model, frames, frame_size=None, tokenizer=None) -> int:
-        grid_t = -(-frames // model.config.vision_config.temporal_patch_size)
-        return grid_t * self.tokens_per_frame(model, frame_size)
 
     def encode_video(self, model, processor, video, batch_size, grid_thw=None, seconds_per_grid: float = 1.0,
                      **kwargs) -> VideoChunk:
@@ -119,35 +109,23 @@ class Qwen2_5_VL(ModelFamily):
         (one row per stream, all equal, or one row for all), as Qwen's video processor returns them; or raw
         frames (one clip per stream) for `processor.video_processor`. seconds_per_grid: seconds covered by one
         temporal grid step (temporal_patch_size / fps)."""
-        if kwargs:
-            raise TypeError(f"append_video: unexpected arguments for Qwen2.5-VL: {sorted(kwargs)}")
+        self.reject_unexpected(kwargs)
         if not isinstance(video, torch.Tensor) and processor is not None:
             processed = processor.video_processor(video, return_tensors="pt")
             video, grid_thw = processed["pixel_values_videos"], processed["video_grid_thw"]
-        vision = model.config.vision_config
-        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-        video = check_pixels("video", video, f"[B * t * h * w, {patch_dim}] with grid_thw")
-        grid = self._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
-        per_stream = grid[0] * grid[1] * grid[2]
-        if video.dim() != 2 or tuple(video.shape) != (batch_size * per_stream, patch_dim):
-            raise ValueError(f"video: expected flattened patches [B*t*h*w={batch_size * per_stream}, {patch_dim}] "
-                             f"for grid_thw {list(grid)} and B={batch_size}, got {tuple(video.shape)}")
+        video, grid = self._check_patches(model, video, grid_thw, batch_size)
         if not (isinstance(seconds_per_grid, (int, float)) and seconds_per_grid > 0):
             raise ValueError(f"seconds_per_grid: expected a positive number, got {seconds_per_grid!r}")
-        visual = model.model.visual
-        grids = torch.tensor([grid] * batch_size, device=visual.device)
-        features = model.model.get_video_features(video.to(device=visual.device, dtype=visual.dtype), grids)
+        features = self._video_features(model, video, grid, batch_size)
         lm = self.language_model(model)
         embeds = torch.stack(features.pooler_output).to(device=lm.embed_tokens.weight.device,
                                                         dtype=lm.embed_tokens.weight.dtype)
+        vision = model.config.vision_config
         interval = vision.tokens_per_second * seconds_per_grid
         rel = video_rel_positions(grid, vision.spatial_merge_size, interval, device=embeds.device)
         # the same integers built on the host (float32 arithmetic, bit for bit): the extent without a device read
         extent = int(video_rel_positions(grid, vision.spatial_merge_size, interval).max())
         return VideoChunk(embeds=embeds, rel_positions=rel, frames=grid[0], extent=extent)
-
-    def pil_video_processor(self, image_processor, config):
-        return Qwen2_5_VLPilVideoProcessor(image_processor, config)
 
     def prepare_frames(self, processor, frames, fps, start=0.0):
         """{"video": patches, "grid_thw": [1, 3], "seconds_per_grid": T / fps} from frames uint8 [F, H, W, 3];
@@ -167,10 +145,26 @@ class Qwen2_5_VL(ModelFamily):
         patch = model.config.vision_config.patch_size
         return grid_h * patch, grid_w * patch
 
-    @staticmethod
-    def _check_grid(grid_thw, batch_size: int, merge: int) -> tuple[int, int, int]:
+    def text_kwargs(self, input_ids):
+        # text only: without mm_token_type_ids the model silently drops to 1D positions
+        return {"mm_token_type_ids": torch.zeros_like(input_ids, dtype=torch.int32)}
+
+    def _check_patches(self, model, video, grid_thw, batch_size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """(pixel values [B * t * h * w, C * T * p * p], the grid (t, h, w) every stream shares), else the error
+        naming video or grid_thw."""
+        vision = model.config.vision_config
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        video = check_pixels("video", video, f"[B * t * h * w, {patch_dim}] with grid_thw")
+        grid = self._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
+        per_stream = grid[0] * grid[1] * grid[2]
+        if video.dim() != 2 or tuple(video.shape) != (batch_size * per_stream, patch_dim):
+            raise ValueError(f"video: expected flattened patches [B*t*h*w={batch_size * per_stream}, {patch_dim}] "
+                             f"for grid_thw {list(grid)} and B={batch_size}, got {tuple(video.shape)}")
+        return video, grid
+
+    def _check_grid(self, grid_thw, batch_size: int, merge: int) -> tuple[int, int, int]:
         if grid_thw is None:
-            raise ValueError("grid_thw: Qwen2.5-VL pixel values need their (t, h, w) patch grid")
+            raise ValueError(f"grid_thw: {self.name} pixel values need their (t, h, w) patch grid")
         grid = torch.as_tensor(grid_thw)
         if grid.dim() == 1:
             grid = grid.unsqueeze(0)
@@ -184,13 +178,10 @@ class Qwen2_5_VL(ModelFamily):
                              f"got {[t, h, w]}")
         return t, h, w
 
-    def prefix_text(self, system_prompt):
-        prompt = self.system_prompt if system_prompt is None else system_prompt
-        return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-
-    def question_text(self, question):
-        return f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
-
-    def text_kwargs(self, input_ids):
-        # text only: without mm_token_type_ids the model silently drops to 1D positions
-        return {"mm_token_type_ids": torch.zeros_like(input_ids, dtype=torch.int32)}
+    @staticmethod
+    def _video_features(model, video: torch.Tensor, grid: tuple[int, int, int], batch_size: int):
+        """The vision tower's output for B streams of one grid (pooler_output: one [t * h' * w', hidden] per
+        stream; Qwen3-VL: deepstack_features too)."""
+        visual = model.model.visual
+        grids = torch.tensor([grid] * batch_size, device=visual.device)
+        return model.model.get_video_features(video.to(device=visual.device, dtype=visual.dtype), grids)

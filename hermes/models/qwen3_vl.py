@@ -1,33 +1,7 @@
-"""Qwen3-VL (interleaved M-RoPE, text timestamps between frames, DeepStack; docs/qwen3_vl.md).
-
-What differs from Qwen2.5-VL (`hermes.models.qwen2_5_vl`):
-- Rotary layout: the (t, h, w) axes interleave pair by pair (`RotaryLayout.interleaved(mrope_section)`, as the
-  rotary module's `recomposition_frequencies`), not contiguous sections.
-- Layout of a video: every temporal grid step is its own run of tokens
-      <t seconds> <|vision_start|> h' x w' visual tokens <|vision_end|>
-  (Qwen3VLProcessor's placeholder). Positions follow transformers' `Qwen3VLModel.get_rope_index`, which splits the
-  grid per temporal step: text tokens count on from the run's start on all three axes; the step's visual tokens
-  take t = c, h = c + row, w = c + column, c being the position after `<|vision_start|>`; `<|vision_end|>` comes at
-  c + max(h', w'). The t axis no longer follows the clock: time is in the text. A chunk starts at the layer's
-  largest position + 1, which is where get_rope_index puts whatever follows a segment, so a streamed chunk has the
-  positions of the same frames in one full forward (tests/hermes/models/test_qwen3_vl.py).
-- DeepStack: the vision tower's intermediate features (one set per `deepstack_visual_indexes` entry) are added
-  to the hidden states of the first decoder layers at the visual positions. The chunk carries them
-  (`VideoChunk.lm_kwargs`: `visual_pos_masks`, `deepstack_visual_embeds`), so every forward over a chunk adds them
-  inside that forward, as the model's own forward does.
-
-Timestamps belong to their frame (ours). The H2SVC frame (the unit of memory, docs/h2svc.md §1) is the whole run
-of one temporal step: its timestamp, the two markers and its visual tokens, evicted together, so the memory never
-holds a timestamp without its frame. H2SVC needs every run of a stream to have one length (`tokens_per_frame`),
-and a plain "<12.5 seconds>" grows by a token at 10 s, 100 s, ... with Qwen's digit-by-digit tokenizer. So the
-seconds are written with TIMESTAMP_DIGITS integer digits, zero-padded ("<00012.5 seconds>"): the same number, a
-constant token count, one text for both policies (and for the H2SVC profiler). The value is Qwen3VLProcessor's:
-the mean time of the temporal step's first and last frame, one decimal.
-
-Video frames go through transformers' `Qwen3VLVideoProcessor`, or without torchvision through
-`Qwen3VLPilVideoProcessor`, which returns the same layout. Its resize sizes a clip as a whole (the pixel budget
-is per clip); `prepare_frames` asks for the per-frame cap (`cap_pixels_per_frame=True`, qwen-vl-utils' rule), so
-the frame size does not depend on a chunk's frame count while the cap binds.
+"""Qwen3-VL (interleaved M-RoPE, a text timestamp in front of every temporal step, DeepStack): a Qwen2.5-VL whose
+chunk is a run per temporal step, `<t seconds> <|vision_start|> visual tokens <|vision_end|>`, with positions as
+transformers' `get_rope_index` lays them out and the DeepStack features carried by the chunk. The layout, the
+zero-padded timestamps and the per-frame pixel cap: docs/qwen3_vl.md.
 """
 from __future__ import annotations
 
@@ -43,16 +17,16 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
 from hermes_kernels.rope import RotaryLayout
 
-from . import VideoChunk, check_pixels
-from .processing import PilVideoProcessor
-from .qwen2_5_vl import Qwen2_5_VL, patchify
+from .base import VideoChunk
+from .qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLPilVideoProcessor
 
 TIMESTAMP_DIGITS = 5  # integer digits of a frame's timestamp: runs keep one length up to 99999.9 s (27.7 h)
 
 
 def timestamp_text(seconds: float) -> str:
     """The text in front of a temporal step's tokens: Qwen3VLProcessor's "<{t:.1f} seconds>" with the integer part
-    zero-padded to TIMESTAMP_DIGITS digits (module docstring). ValueError outside [0, 10^TIMESTAMP_DIGITS) s."""
+    zero-padded to TIMESTAMP_DIGITS digits, so every run has one length (docs/qwen3_vl.md#decisions). ValueError
+    outside [0, 10^TIMESTAMP_DIGITS) s."""
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds) or \
             not 0 <= round(seconds, 1) < 10 ** TIMESTAMP_DIGITS:
         raise ValueError(f"timestamps: expected seconds in [0, {10 ** TIMESTAMP_DIGITS}), got {seconds!r}")
@@ -73,8 +47,9 @@ def chunk_layout(timestamp_ids: Sequence[Sequence[int]], merged: tuple[int, int]
     """(token ids int64 [T], offsets int64 [3, T]) of a chunk of temporal steps, from its start position.
 
     timestamp_ids: the token ids of each step's timestamp; merged: (h', w') visual tokens of a step. Visual slots
-    hold `video_token`. Offsets as get_rope_index lays them out (module docstring): text counts on from a cursor on
-    every axis; a step's visual tokens sit at (c, c + row, c + column) and move the cursor by max(h', w').
+    hold `video_token`. Offsets as get_rope_index lays them out (docs/qwen3_vl.md#differences): text counts on from
+    a cursor on every axis; a step's visual tokens sit at (c, c + row, c + column) and move the cursor by
+    max(h', w').
     """
     rows, cols = merged
     grid = torch.stack(torch.meshgrid(torch.zeros(1, dtype=torch.int64), torch.arange(rows), torch.arange(cols),
@@ -101,19 +76,19 @@ def deepstack_kwargs(count: int, *, visual: torch.Tensor, batch_size: int, featu
     return {"visual_pos_masks": mask, "deepstack_visual_embeds": features}
 
 
-class Qwen3VLPilVideoProcessor(PilVideoProcessor):
+class Qwen3VLPilVideoProcessor(Qwen2_5_VLPilVideoProcessor):
     """Torchvision-free twin of transformers' `Qwen3VLVideoProcessor`: a clip's frames resized together by its
     `smart_resize` (sides multiples of patch_size * merge_size; the clip's t x h x w pixels within size's
     shortest_edge and longest_edge, or with cap_pixels_per_frame each frame within max(min(max_video_tokens *
-    factor^2, longest_edge / frames), 1.05 * shortest_edge)), rescaled, normalised and cut by `patchify`. Returns
-    pixel_values_videos float32 [t * h * w, C * T * p * p] and video_grid_thw int64 [clips, 3]."""
+    factor^2, longest_edge / frames), 1.05 * shortest_edge)), then as Qwen2.5-VL's twin: rescaled, normalised and
+    cut by `patchify` into the same two tensors."""
 
     defaults = dict(size={"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
                     resample=PILImageResampling.BICUBIC, rescale_factor=1 / 255, image_mean=IMAGENET_STANDARD_MEAN,
                     image_std=IMAGENET_STANDARD_STD, do_resize=True, do_rescale=True, do_normalize=True,
                     do_convert_rgb=True, do_center_crop=None, patch_size=16, temporal_patch_size=2, merge_size=2,
                     cap_pixels_per_frame=None, max_video_tokens=768)
-    model_input_names = ("pixel_values_videos", "video_grid_thw")
+    off_flags = ("do_sample_frames",)
     options = ("cap_pixels_per_frame",)
 
     def resize(self, image, num_frames, cap_pixels_per_frame=None):
@@ -130,16 +105,14 @@ class Qwen3VLPilVideoProcessor(PilVideoProcessor):
         return PilBackend.resize(self.image_processor, image, SizeDict(height=height, width=width),
                                  resample=self.resample)
 
-    def layout(self, frames):
-        rows, grid = patchify(frames, self.patch_size, self.merge_size, self.temporal_patch_size)
-        return {"pixel_values_videos": rows, "video_grid_thw": np.array([grid], dtype=np.int64)}
-
 
 class Qwen3_VL(Qwen2_5_VL):
-    """Qwen2.5-VL's grid checks, frame counts and text-only position arguments; its own rotary layout, chunk
-    layout (timestamps, DeepStack), processing and chat text."""
-    model_types = ("qwen3_vl",)
+    """Qwen2.5-VL's patch and grid checks, frame counts and text-only position arguments; its own rotary layout,
+    chunk layout (timestamps, DeepStack), processing and chat text (no outer video markers)."""
+    name = "Qwen3-VL"
     preset_name = "qwen3_vl"
+    pil_processor = Qwen3VLPilVideoProcessor
+    before_video = after_video = ""
 
     def rotary(self, model):
         rotary = self.language_model(model).rotary_emb
@@ -159,17 +132,8 @@ class Qwen3_VL(Qwen2_5_VL):
     def tokens_per_frame(self, model, frame_size=None, tokenizer=None) -> int:
         """Tokens of one temporal step's run: its timestamp, <|vision_start|>, (height / (patch·merge)) x
         (width / (patch·merge)) visual tokens, <|vision_end|>."""
-        if frame_size is None:
-            raise ValueError("frame_size: Qwen3-VL's token count depends on the frame size; pass "
-                             "frame_size=(height, width) of the processed frames or chunk_tokens")
-        vision = model.config.vision_config
-        side = vision.patch_size * vision.spatial_merge_size
-        stamp = len(self._timestamp_ids(self._tokenizer(tokenizer), 0.0))
-        return stamp + 2 + (frame_size[0] // side) * (frame_size[1] // side)
-
-    def tokens_per_chunk(self, model, frames, frame_size=None, tokenizer=None) -> int:
-        grid_t = -(-frames // model.config.vision_config.temporal_patch_size)
-        return grid_t * self.tokens_per_frame(model, frame_size, tokenizer)
+        visual = super().tokens_per_frame(model, frame_size)
+        return len(self._timestamp_ids(self._tokenizer(tokenizer), 0.0)) + 2 + visual
 
     def encode_video(self, model, processor, video, batch_size, grid_thw=None, timestamps=None,
                      **kwargs) -> VideoChunk:
@@ -177,38 +141,26 @@ class Qwen3_VL(Qwen2_5_VL):
         per stream, all equal, or one row for all), as Qwen's video processor returns them; or raw frames (one
         uint8 [F, H, W, 3] clip per stream) for `processor.video_processor`. timestamps: seconds of each of the t
         temporal steps (`step_times`), shared by the streams. `processor` (or a tokenizer) writes the timestamps.
-        Returns embeds [B, T, hidden] of the t runs (module docstring), their offsets and DeepStack arguments."""
-        if kwargs:
-            raise TypeError(f"append_video: unexpected arguments for Qwen3-VL: {sorted(kwargs)}")
+        Returns embeds [B, T, hidden] of the t runs (docs/qwen3_vl.md), their offsets and DeepStack arguments."""
+        self.reject_unexpected(kwargs)
         tokenizer = self._tokenizer(processor)
-        vision, config = model.config.vision_config, model.config
         if not isinstance(video, torch.Tensor) and hasattr(processor, "video_processor"):
             clips = [video] if isinstance(video, np.ndarray) and video.ndim == 4 else list(video)
             processed = self._process(processor.video_processor, clips)
             video, grid_thw = processed["pixel_values_videos"], processed["video_grid_thw"]
-        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-        video = check_pixels("video", video, f"[B * t * h * w, {patch_dim}] with grid_thw")
-        if grid_thw is None:
-            raise ValueError("grid_thw: Qwen3-VL pixel values need their (t, h, w) patch grid")
-        grid = self._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
-        per_stream = grid[0] * grid[1] * grid[2]
-        if video.dim() != 2 or tuple(video.shape) != (batch_size * per_stream, patch_dim):
-            raise ValueError(f"video: expected flattened patches [B*t*h*w={batch_size * per_stream}, {patch_dim}] "
-                             f"for grid_thw {list(grid)} and B={batch_size}, got {tuple(video.shape)}")
+        video, grid = self._check_patches(model, video, grid_thw, batch_size)
         stamps = self._check_timestamps(timestamps, grid[0])
         stamp_ids = [self._timestamp_ids(tokenizer, seconds) for seconds in stamps]
         if len({len(ids) for ids in stamp_ids}) > 1:
             raise ValueError(f"timestamps: the tokenizer gives the timestamps {stamps} different token counts; every "
                              "temporal step's run must have one length (docs/qwen3_vl.md)")
-        merge = vision.spatial_merge_size
+        config = model.config
+        merge = config.vision_config.spatial_merge_size
         tokens, rel = chunk_layout(stamp_ids, (grid[1] // merge, grid[2] // merge),
                                    vision_start=config.vision_start_token_id, vision_end=config.vision_end_token_id,
                                    video_token=config.video_token_id)
         extent = int(rel.max())  # built on the host: known without a device read
-        visual_tower = model.model.visual
-        grids = torch.tensor([grid] * batch_size, device=visual_tower.device)
-        features = model.model.get_video_features(video.to(device=visual_tower.device, dtype=visual_tower.dtype),
-                                                  grids)
+        features = self._video_features(model, video, grid, batch_size)
         embed = self.language_model(model).embed_tokens
         device, dtype = embed.weight.device, embed.weight.dtype
         tokens = tokens.to(device)
@@ -243,9 +195,6 @@ class Qwen3_VL(Qwen2_5_VL):
         clips = [np.concatenate([clip, np.repeat(clip[-1:], -len(clip) % size, axis=0)]) for clip in clips]
         return video_processor(videos=clips, return_tensors="pt", do_sample_frames=False, cap_pixels_per_frame=True)
 
-    def pil_video_processor(self, image_processor, config):
-        return Qwen3VLPilVideoProcessor(image_processor, config)
-
     def prepare_frames(self, processor, frames, fps, start=0.0):
         """{"video": patches, "grid_thw": [1, 3], "timestamps": seconds of each temporal step} from frames uint8
         [F, H, W, 3] sampled at `fps` from `start` seconds (`step_times`)."""
@@ -253,10 +202,3 @@ class Qwen3_VL(Qwen2_5_VL):
         out = self._process(video_processor, [np.asarray(frames)])
         return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
                 "timestamps": step_times(len(frames), float(fps), float(start), video_processor.temporal_patch_size)}
-
-    def prefix_text(self, system_prompt):
-        prompt = self.system_prompt if system_prompt is None else system_prompt
-        return f"<|im_start|>system\n{prompt}<|im_end|>\n<|im_start|>user\n"
-
-    def question_text(self, question):
-        return f"{question}<|im_end|>\n<|im_start|>assistant\n"
