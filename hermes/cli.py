@@ -45,8 +45,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from hermes.video import VideoReader, as_fraction, parse_time
-from hermes.commands import (DTYPES, LoadedModel, UsageError, check_checkpoint, load_model, resolve_device,
-                             resolve_dtype, run_command, usage)
+from hermes.commands import (DTYPES, LoadedModel, UsageError, check_checkpoint, load_model, load_processor,
+                             resolve_device, resolve_dtype, run_command, usage)
 from hermes_kernels.checks import check_positive_int
 
 POLICIES = ("hermes", "h2svc")
@@ -73,7 +73,6 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
     """Every check of `run` that needs no weights (module docstring), in this order: settings, the video and the
     --ask-at times against it, the device, the checkpoint, the budget against its positions, the head map.
     UsageError for a setting that cannot work; FileNotFoundError or ValueError for an input that cannot be read."""
-    from hermes.models.processing import load_processor
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
     from hermes_kernels import HermesConfig
 
