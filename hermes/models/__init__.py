@@ -91,6 +91,12 @@ class ModelFamily:
         through `processor.video_processor` (the real one or the twin)."""
         raise NotImplementedError
 
+    def kept_size(self, processor, height: int, width: int) -> tuple[int, int] | None:
+        """(height, width) `prepare_frames` resizes a height x width frame to (the largest, where it depends on
+        the chunk), or None when frames go through whole: how far the video reader may shrink frames while
+        decoding them (`hermes.video.VideoReader.output_size`, docs/security.md#video)."""
+        return None
+
     def memory_frames(self, inputs: dict) -> int:
         """H2SVC frames (the unit of memory, docs/h2svc.md §1) in one chunk's `prepare_frames` output: LLaVA-OV one per
         video frame; Qwen2.5-VL and Qwen3-VL one per temporal grid step (temporal_patch_size video frames)."""

@@ -116,6 +116,12 @@ class PilVideoProcessor:
                 for key in self.model_input_names}
 
 
+def size_of(video_processor) -> SizeDict:
+    """A video processor's `size` setting as a SizeDict (transformers' processors may keep a dict, the twins keep
+    a SizeDict)."""
+    return SizeDict(**dict(video_processor.size))
+
+
 def load_processor(path: str | os.PathLike, family, **options):
     """The checkpoint's processor: `AutoProcessor` when torchvision imports, else `Processor` with the tokenizer
     (`AutoTokenizer`) and the family's `PilVideoProcessor` over the PIL image processor (`AutoImageProcessor`).
@@ -129,4 +135,4 @@ def load_processor(path: str | os.PathLike, family, **options):
                                                                 config))
 
 
-__all__ = ["Processor", "PilVideoProcessor", "load_processor"]
+__all__ = ["Processor", "PilVideoProcessor", "load_processor", "size_of"]
