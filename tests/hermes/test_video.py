@@ -202,15 +202,6 @@ def test_frames_whose_size_changes_mid_stream_come_out_at_one_size(tmp_path):
     assert [frame_index(f) for f in chunk.frames] == [0, 1, 2, 3]
 
 
-def test_frames_too_large_and_streams_without_frames_are_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"video: .*wide\.mkv declares 9000 x 2 px frames; the reader decodes at "
-                                         r"most 8192 px a side and 35389440 px a frame"):
-        VideoReader(write_gray(tmp_path / "wide.mkv", 2, 9000))
-    with VideoReader(write_without_frames(tmp_path / "none.mkv")) as reader, \
-            pytest.raises(ValueError, match=r"video: .*none\.mkv has no video frames"):
-        next(reader.chunks(1, 1))
-
-
 def test_frames_over_max_pixels_are_not_even_probed(tmp_path, monkeypatch):
     """A frame within MAX_SIDE but over MAX_PIXELS (a smaller bound here: a real one would be a 35 MB frame): FFmpeg
     refuses to allocate it while probing the file, so its size stays unknown and the file is refused."""
@@ -248,7 +239,8 @@ SECONDS = 60  # per case: each takes well under a second
 def read_bounded(path, fps: float = 1, chunk_frames: int = 4) -> dict:
     """Read `path` in a subprocess under ADDRESS_SPACE, SECONDS and PEAK_MIB: no crash, no hang, bounded memory;
     returns {"chunks": [{"sources", "shape"}, ...]} or {"error": message}."""
-    env = dict(os.environ, MALLOC_ARENA_MAX="2")  # glibc's per-thread arenas would reserve address space
+    # glibc's per-thread arenas and a BLAS thread per core would reserve address space on a many-core machine
+    env = dict(os.environ, MALLOC_ARENA_MAX="2", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", READ, os.path.join(REPO, "hermes"), str(path), str(fps),
                            str(chunk_frames), str(ADDRESS_SPACE)], capture_output=True, text=True, timeout=SECONDS,
                           env=env)
@@ -357,10 +349,13 @@ def test_fuzz_absurd_sizes_and_no_frames(tmp_path):
     claimed.write_bytes(data)
     assert read_bounded(claimed)["error"] == (f"video: {claimed}: the size of its frames is unknown: no frame could "
                                               f"be probed, or they are over 35389440 px, which are not decoded")
-    assert "declares 9000 x 2 px frames" in read_bounded(write_gray(tmp_path / "wide.mkv", 2, 9000))["error"]
+    wide = write_gray(tmp_path / "wide.mkv", 2, 9000)
+    assert read_bounded(wide)["error"] == (f"video: {wide} declares 9000 x 2 px frames; the reader decodes at most "
+                                           f"8192 px a side and 35389440 px a frame")
     (tmp_path / "empty.mp4").write_bytes(b"")
     assert read_bounded(tmp_path / "empty.mp4")["error"].startswith("video: cannot read")
-    assert "has no video frames" in read_bounded(write_without_frames(tmp_path / "none.mkv"))["error"]
+    none = write_without_frames(tmp_path / "none.mkv")
+    assert read_bounded(none)["error"] == f"video: {none} has no video frames (none of its video stream decodes)"
 
 
 def test_fuzz_an_unknown_codec_and_metadata_that_is_not_utf8(sources, tmp_path):
