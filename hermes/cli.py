@@ -8,7 +8,8 @@ HERMES (or H2SVC) cache and answer questions about it; `run(...)` does the same 
 
 The path of one run: the checkpoint's config names the model family (`hermes.models`), the model loads with
 `AutoModelForImageTextToText` and its processor with `load_processor` (the real video processor, or the
-torchvision-free twin); PyAV decodes the file and frames are sampled at `fps` by timestamp (`hermes.video`);
+torchvision-free twin); PyAV decodes the file, scaling each frame down to what the processor keeps
+(`family.kept_size`), and frames are sampled at `fps` by timestamp (`hermes.video`);
 every `chunk_frames` samples go through the processor (`family.prepare_frames`) into
 `HermesStream.append_video`; a question given with a time is asked after the first chunk that reaches that
 time, the others after the last chunk, in order.
@@ -18,9 +19,10 @@ refused (ValueError: lower chunk_frames or raise fps); a longer video's last chu
 and may be shorter.
 
 Before any weights load (`check_run`): every setting is parsed (fps, chunk size, budget, --ask-at times), the
-device is checked, the checkpoint's config.json names a supported family and its max_position_embeddings admits
-the budget, a head map file is read and checked against the checkpoint's shape, and the video is opened, its
-first chunk decoded and every --ask-at time checked against its length.
+video is opened and its frame size checked, the device is checked, the checkpoint's config.json names a supported
+family (its processor is read: no weights), the video's first chunk is decoded at the size the processor keeps and
+every --ask-at time checked against its length, the checkpoint's max_position_embeddings admits the budget, and a
+head map file is read and checked against the checkpoint's shape.
 
 Errors a user can fix raise with a one-line message naming the argument; `main` prints it as one line on stderr
 (no traceback unless --traceback) and exits with status 2 for a usage error (`UsageError`: a setting that cannot
@@ -45,8 +47,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from hermes.video import VideoReader, as_fraction, parse_time
-from hermes.commands import (DTYPES, LoadedModel, UsageError, check_checkpoint, load_model, resolve_device,
-                             resolve_dtype, run_command, usage)
+from hermes.commands import (DTYPES, LoadedModel, UsageError, check_checkpoint, load_model, load_processor,
+                             resolve_device, resolve_dtype, run_command, usage)
 from hermes_kernels.checks import check_positive_int
 
 POLICIES = ("hermes", "h2svc")
@@ -55,8 +57,9 @@ _ASK_AT = re.compile(r"^\s*(\d+(?::\d+){0,2}(?:\.\d+)?s?)\s*:(.*)$", re.DOTALL)
 
 @dataclasses.dataclass
 class RunCheck:
-    """What `check_run` found before any weights load: the question schedule, the device and dtype, and for a
-    checkpoint folder its family, processor and config."""
+    """What `check_run` found before any weights load: the question schedule, the device and dtype, for a
+    checkpoint folder its family, processor and config, and `keep`, the frame size the processor keeps
+    (`VideoReader.chunks`' keep)."""
 
     schedule: list[tuple[float, str]]
     device: torch.device
@@ -64,16 +67,17 @@ class RunCheck:
     family: object = None
     processor: object = None
     config: object = None
+    keep: tuple[int, int] | None = None
 
 
 def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike, *, ask_at: Sequence = (),
               fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
               head_map: str | os.PathLike | None = None, device: str | torch.device | None = None,
               dtype: str | torch.dtype = "auto", max_new_tokens: int = 64) -> RunCheck:
-    """Every check of `run` that needs no weights (module docstring), in this order: settings, the video and the
-    --ask-at times against it, the device, the checkpoint, the budget against its positions, the head map.
-    UsageError for a setting that cannot work; FileNotFoundError or ValueError for an input that cannot be read."""
-    from hermes.models.processing import load_processor
+    """Every check of `run` that needs no weights (module docstring), in this order: settings, the video's header,
+    the device, the checkpoint and its processor, the video's first chunk (decoded at the size the processor keeps)
+    and the --ask-at times against the video, the budget against the positions, the head map. UsageError for a
+    setting that cannot work; FileNotFoundError or ValueError for an input that cannot be read."""
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
     from hermes_kernels import HermesConfig
 
@@ -82,17 +86,8 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
         usage(lambda: check_positive_int(name, value))
     schedule = usage(lambda: sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0]))
     usage(lambda: policy_kwargs(policy, budget, head_map))  # a missing head map file: FileNotFoundError
-    with VideoReader(video) as reader:
-        duration = reader.duration
-        first = next(reader.chunks(fps, chunk_frames), None)
-    if first is None or len(first.times) < chunk_frames:
-        sampled = 0 if first is None else len(first.times)
-        raise UsageError(f"video: {sampled} frames sampled at {fps:g} fps, fewer than one chunk of {chunk_frames}; "
-                         f"lower --chunk-frames or raise --fps")
-    late = [when for when, _ in schedule if duration is not None and when > duration]
-    if late:
-        raise UsageError(f"ask_at: {late[0]:g} s is past the end of the video ({duration:.2f} s): "
-                         f"{os.fspath(video)}")
+    with VideoReader(video) as reader:  # the header: a video stream of frames of a sane size
+        duration, source = reader.duration, reader.size
     if isinstance(model, LoadedModel):
         check = RunCheck(schedule, model.device, next(model.model.parameters()).dtype, model.family,
                          model.processor, model.model.config)
@@ -100,7 +95,17 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
         resolved = usage(lambda: resolve_device(device))
         check = RunCheck(schedule, resolved, usage(lambda: resolve_dtype(dtype, resolved)))
         check.config, check.family = check_checkpoint(model)
-        check.processor = load_processor(os.fspath(model), check.family)
+        check.processor = load_processor(model, check.family)
+    check.keep = check.family.kept_size(check.processor, *source)
+    with VideoReader(video) as reader:
+        first = next(usage(lambda: reader.chunks(fps, chunk_frames, keep=check.keep)))
+    if len(first.times) < chunk_frames:
+        raise UsageError(f"video: {len(first.times)} frames sampled at {fps:g} fps, fewer than one chunk of "
+                         f"{chunk_frames}; lower --chunk-frames or raise --fps")
+    late = [when for when, _ in schedule if duration is not None and when > duration]
+    if late:
+        raise UsageError(f"ask_at: {late[0]:g} s is past the end of the video ({duration:.2f} s): "
+                         f"{os.fspath(video)}")
     text = check.config.get_text_config()
     if policy == "hermes":
         tokenizer = getattr(check.processor, "tokenizer", check.processor)
@@ -237,7 +242,7 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
         return inputs, 1000 * (time.perf_counter() - start)
 
     with VideoReader(video) as reader:
-        chunks = reader.chunks(fps, chunk_frames)
+        chunks = reader.chunks(fps, chunk_frames, keep=check.keep)
         first = next(chunks)  # check_run has read it once: at least one chunk of chunk_frames
         prepared = prepare(first)
         stream = build_stream(loaded, policy=policy, budget=budget, chunk_frames=chunk_frames,

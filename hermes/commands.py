@@ -1,6 +1,11 @@
 """What both command-line tools share (`hermes`, `hermes-profile`): their error contract and
 loading a local checkpoint.
 
+Checkpoints are a trust boundary (docs/security.md): `check_checkpoint`, `load_processor` and `load_model` are the
+one place a checkpoint is read, and every `from_pretrained` there reads local files only and never runs code
+shipped with the checkpoint (`LOCAL_ONLY`); a name that is not a local folder is refused first, and weights come
+from safetensors files where the folder has them.
+
 Errors a user can fix are raised with a one-line message naming the argument; `run_command` prints it as one line
 on stderr and returns the exit status: 2 for a `UsageError` (a setting that cannot work with these inputs), 1 for an
 input that cannot be read (a missing or corrupt file) or any other failure, 130 on Ctrl-C. Warnings print as one
@@ -9,14 +14,19 @@ line `warning: ...`.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import pickle
 import sys
+import types
 import warnings
 from typing import Callable
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# keyword arguments of every from_pretrained on a checkpoint: nothing from the network, no code of the checkpoint's
+LOCAL_ONLY = types.MappingProxyType({"local_files_only": True, "trust_remote_code": False})
 
 
 class UsageError(ValueError):
@@ -44,20 +54,44 @@ class LoadedModel:
     device: torch.device
 
 
+def checkpoint_folder(path: str | os.PathLike) -> str:
+    """`path` as a local checkpoint folder, checked before transformers sees it: FileNotFoundError for anything
+    that is not a local folder (a Hugging Face Hub name is never resolved, so nothing reaches the network),
+    ValueError for a folder without config.json."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model: no such folder: {path} (expected a local checkpoint folder; names on the "
+                                f"Hugging Face Hub are not downloaded: download it first, then pass its folder)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model: {path} has no config.json; expected a checkpoint saved with save_pretrained")
+    return path
+
+
 def check_checkpoint(path: str | os.PathLike) -> tuple[object, object]:
     """(config, family) of a local checkpoint folder, from its config.json alone (no weights): FileNotFoundError
-    or ValueError when it cannot be read, UsageError for a model type no family supports."""
+    or ValueError when it cannot be read (`checkpoint_folder`), UsageError for a model type no family supports."""
     from transformers import AutoConfig
 
     from hermes.models import family_of_type
 
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model: no such folder: {path} (expected a local checkpoint folder)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model: {path} has no config.json; expected a checkpoint saved with save_pretrained")
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(checkpoint_folder(path), **LOCAL_ONLY)
     return config, usage(lambda: family_of_type(config.model_type))
+
+
+def load_processor(path: str | os.PathLike, family):
+    """The processor of a local checkpoint folder (`hermes.models.processing.load_processor`), read under
+    `LOCAL_ONLY`."""
+    from hermes.models import processing
+
+    return processing.load_processor(checkpoint_folder(path), family, **LOCAL_ONLY)
+
+
+def weights_options(path: str) -> dict:
+    """`from_pretrained` keyword arguments for the weights of a checkpoint folder: `LOCAL_ONLY`, and
+    use_safetensors=True when the folder has a .safetensors file (a pickled .bin beside it is then never read;
+    without one, transformers reads a .bin with torch's weights-only unpickler)."""
+    return {**LOCAL_ONLY, **({"use_safetensors": True} if glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
+                             else {})}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -91,16 +125,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
                dtype: str | torch.dtype = "auto", processor=None) -> LoadedModel:
     """Load a local checkpoint folder: its family from config.json's model_type (checked before any weights
-    load), the model with `AutoModelForImageTextToText`, the processor with `load_processor` (or the one given)."""
+    load), the model with `AutoModelForImageTextToText` (`weights_options`), the processor with `load_processor`
+    (or the one given)."""
     from transformers import AutoModelForImageTextToText
-
-    from hermes.models.processing import load_processor
 
     path = os.fspath(path)
     _, family = check_checkpoint(path)
     device = usage(lambda: resolve_device(device))
     dtype = usage(lambda: resolve_dtype(dtype, device))
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **weights_options(path))
+    except pickle.UnpicklingError as err:  # torch's advice would be to unpickle in full: not a way out here
+        raise ValueError(f"model: the pickled weights in {path} hold objects other than tensors, which are never "
+                         f"unpickled (torch's weights-only unpickler refused them); save the weights as "
+                         f"safetensors") from err
+    model = model.to(device).eval()
     processor = load_processor(path, family) if processor is None else processor
     return LoadedModel(model=model, processor=processor, family=family, path=path, device=device)
 

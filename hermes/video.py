@@ -8,7 +8,10 @@ at the last frame's timestamp. Timestamps are compared as exact fractions (pts x
 frame at exactly t_k is never lost to rounding. Frames whose timestamp does not increase (broken muxing) are
 skipped.
 
-Needs PyAV (`pip install -e ".[video]"`); importing this module does not.
+A file is untrusted input (docs/security.md#video): frames are scaled at decode time to what the model's processor
+keeps (`keep`), and a file is refused, with one "video:" line, when it declares frames over MAX_SIDE / MAX_PIXELS,
+has no frame that decodes, asks one chunk to hold over MAX_CHUNK_BYTES, or has a timestamp gap that would repeat
+one frame over MAX_REPEATS times. Needs PyAV (`pip install -e ".[video]"`); importing this module does not.
 """
 from __future__ import annotations
 
@@ -22,6 +25,12 @@ from typing import Iterable, Iterator, TypeVar
 import numpy as np
 
 Payload = TypeVar("Payload")
+
+# What one file may ask of the reader (docs/security.md#video)
+MAX_SIDE = 8192  # px, either side of a decoded frame (8K UHD is 7680 x 4320)
+MAX_PIXELS = 8192 * 4320  # px of one decoded frame; FFmpeg's decoders refuse larger ones before allocating them
+MAX_CHUNK_BYTES = 2 ** 30  # bytes of one chunk's frames, uint8 RGB
+MAX_REPEATS = 3600  # samples one decoded frame may fill: an hour's gap at 1 fps
 
 
 @dataclasses.dataclass
@@ -94,9 +103,10 @@ def _av():
 class VideoReader:
     """One video file opened with PyAV (a context manager); `chunks()` streams its sampled frames.
 
-    Opening checks the file: a missing path raises FileNotFoundError, a file PyAV cannot read or one without a
-    video stream raises ValueError; errors while decoding raise ValueError with the time reached. All messages
-    start with "video:".
+    Opening checks the file: a missing path raises FileNotFoundError; a file PyAV cannot read, one without a video
+    stream, or one whose frames are of unknown size or over MAX_SIDE / MAX_PIXELS raises ValueError. Errors while
+    decoding raise ValueError with the time reached. All messages start with "video:". `size` is the stream's
+    (height, width).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -104,15 +114,30 @@ class VideoReader:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"video: no such file: {self.path}")
+        limit = {"max_pixels": str(MAX_PIXELS)}  # also while PyAV probes the streams on opening
         try:
-            self.container = av.open(self.path)
+            self.container = av.open(self.path, options=limit, metadata_errors="replace")
         except av.error.FFmpegError as err:
             raise ValueError(f"video: cannot read {self.path}: {err}") from err
-        if not self.container.streams.video:
+        try:
+            if not self.container.streams.video:
+                raise ValueError(f"video: {self.path} has no video stream")
+            self.stream = self.container.streams.video[0]
+            if self.stream.codec_context is None:  # a codec FFmpeg does not know
+                raise ValueError(f"video: {self.path}: its video stream is in a format PyAV cannot decode")
+            self.stream.thread_type = "AUTO"
+            self.stream.codec_context.options = limit
+            width, height = self.stream.codec_context.width, self.stream.codec_context.height
+            if width < 1 or height < 1:
+                raise ValueError(f"video: {self.path}: the size of its frames is unknown: no frame could be probed, "
+                                 f"or they are over {MAX_PIXELS} px, which are not decoded")
+            if max(width, height) > MAX_SIDE or width * height > MAX_PIXELS:
+                raise ValueError(f"video: {self.path} declares {width} x {height} px frames; the reader decodes "
+                                 f"at most {MAX_SIDE} px a side and {MAX_PIXELS} px a frame")
+        except ValueError:
             self.container.close()
-            raise ValueError(f"video: {self.path} has no video stream")
-        self.stream = self.container.streams.video[0]
-        self.stream.thread_type = "AUTO"
+            raise
+        self.size = (height, width)
 
     def __enter__(self) -> "VideoReader":
         return self
@@ -132,29 +157,66 @@ class VideoReader:
             return self.container.duration / 1_000_000  # AV_TIME_BASE
         return None
 
-    def decoded(self) -> Iterator[tuple[Fraction, object]]:
-        """(timestamp in seconds, av.VideoFrame) in presentation order."""
+    def output_size(self, keep: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(height, width) of the frames `chunks(..., keep=keep)` delivers: the stream's `size`, or when `keep`
+        = (height, width) is smaller on both sides, the smallest size of the stream's aspect ratio that covers
+        it (each side rounded up): what a model's processor keeps of a frame, and no more."""
+        if keep is None:
+            return self.size
+        if not isinstance(keep, (tuple, list)) or len(keep) != 2 or \
+                any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in keep):
+            raise ValueError(f"keep: expected (height, width) as two positive ints, got {keep!r}")
+        height, width = self.size
+        scale = max(Fraction(keep[0], height), Fraction(keep[1], width))
+        if scale >= 1:
+            return self.size
+        return math.ceil(height * scale), math.ceil(width * scale)
+
+    def decoded(self, max_gap: float | Fraction | None = None) -> Iterator[tuple[Fraction, object]]:
+        """(timestamp in seconds, av.VideoFrame) in presentation order; ValueError when no frame decodes at all, or
+        when a timestamp comes more than `max_gap` seconds after the latest one before it."""
         av = _av()
-        reached = 0.0
+        reached, latest = 0.0, None
         try:
             for frame in self.container.decode(self.stream):
                 if frame.pts is None or frame.time_base is None:
                     raise ValueError(f"video: {self.path} has a frame without a timestamp after {reached:.2f} s; "
                                      "remux it (e.g. ffmpeg -i IN -c copy OUT.mp4)")
                 time = frame.pts * Fraction(frame.time_base)
+                if max_gap is not None and latest is not None and time - latest > max_gap:
+                    raise ValueError(f"video: {self.path} jumps from {float(latest):.2f} s to {float(time):.2f} s, "
+                                     f"a gap of over {float(max_gap):g} s that would repeat one frame over "
+                                     f"{MAX_REPEATS} times; its timestamps are broken, or lower fps")
+                latest = time if latest is None else max(latest, time)
                 reached = float(time)
                 yield time, frame
         except av.error.FFmpegError as err:
             raise ValueError(f"video: decoding {self.path} failed after {reached:.2f} s: {err}") from err
+        if latest is None:
+            raise ValueError(f"video: {self.path} has no video frames (none of its video stream decodes)")
 
-    def chunks(self, fps: float, chunk_frames: int) -> Iterator[Chunk]:
-        """Frames sampled at `fps` (see the module docstring) in chunks of `chunk_frames`; the last chunk holds
-        what is left and may be shorter."""
+    def chunks(self, fps: float, chunk_frames: int, keep: tuple[int, int] | None = None) -> Iterator[Chunk]:
+        """Frames sampled at `fps` (see the module docstring) in chunks of `chunk_frames`, scaled to
+        `output_size(keep)` as they are decoded; the last chunk holds what is left and may be shorter. The
+        arguments are checked at the call: a chunk of chunk_frames frames over MAX_CHUNK_BYTES is a ValueError."""
         if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:
             raise ValueError(f"chunk_frames: expected a positive int, got {chunk_frames!r}")
+        step = 1 / as_fraction(fps, "fps")
+        height, width = self.output_size(keep)
+        size = chunk_frames * height * width * 3
+        if size > MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_frames: {chunk_frames} frames of {width} x {height} px would hold "
+                             f"{size / 2 ** 30:.1f} GiB, over the {MAX_CHUNK_BYTES / 2 ** 30:g} GiB one chunk may "
+                             f"hold; lower chunk_frames")
+        return self._chunks(fps, chunk_frames, MAX_REPEATS * step, (height, width))
+
+    def _chunks(self, fps, chunk_frames: int, max_gap: Fraction, size: tuple[int, int]) -> Iterator[Chunk]:
         frames, times, sources, index = [], [], [], 0
-        for time, source, frame in sample_by_time(self.decoded(), fps):
-            frames.append(frame.to_ndarray(format="rgb24"))
+        last = (None, None)  # (source, its RGB array): a frame sampled again is not converted again
+        for time, source, frame in sample_by_time(self.decoded(max_gap), fps):
+            if source != last[0]:
+                last = (source, _rgb(frame, size))
+            frames.append(last[1])
             times.append(float(time))
             sources.append(source)
             if len(frames) == chunk_frames:
@@ -162,6 +224,14 @@ class VideoReader:
                 frames, times, sources, index = [], [], [], index + 1
         if frames:
             yield Chunk(index, np.stack(frames), times, sources)
+
+
+def _rgb(frame, size: tuple[int, int]) -> np.ndarray:
+    """uint8 [height, width, 3] RGB of an av.VideoFrame at `size` = (height, width): scaled by swscale (bicubic,
+    which averages over the source when shrinking) only when its size differs."""
+    if (frame.height, frame.width) == size:
+        return frame.to_ndarray(format="rgb24")
+    return frame.to_ndarray(format="rgb24", height=size[0], width=size[1], interpolation="BICUBIC")
 
 
 _CLOCK = re.compile(r"^(?:(\d+):)?(\d+):(\d+(?:\.\d*)?)$")

@@ -5,7 +5,8 @@ Why C: on CPU the compaction is a row move (read each kept row, rotate keys, wri
 formulation in torch ops stages the rows through a gather buffer and then writes them out again, and that alone
 costs about twice a single pass (see `rows.py`); a plain loop over rows moves every row once, in place. The C
 code takes no torch headers: tensors go in as data pointers and element strides, so a build needs only a C
-compiler (`$CC`, else `cc`, `gcc` or `clang`), as Triton's own launcher stubs do.
+compiler (`$CC`, else `cc`, `gcc` or `clang`), as Triton's own launcher stubs do. A `$CC` that names no program
+is not replaced by another compiler: there is no library, and `unavailable_reason` says so.
 
 The build cache: `<name>-<key>.so` in `cache_folder()` (`$HERMES_KERNELS_CACHE`, else
 `$XDG_CACHE_HOME/hermes_kernels`, else `~/.cache/hermes_kernels`). The key is a SHA-256 of the source bytes, the
@@ -14,10 +15,14 @@ the first processor's model and flags lines of /proc/cpuinfo), so a library buil
 loaded on another CPU, nor one built from an older source or by another compiler. A process that finds the file
 loads it without compiling. A build compiles into a uniquely named file in the cache folder and renames it to the
 final name (atomic on POSIX), so processes building at once never see a half-written library. A cached file that
-fails to load is rebuilt once. When the folder cannot be created or written, the library is built per process
-into a temporary folder instead (it stays mapped after the folder is removed). Deleting the folder clears the
-cache. `last_build` records what the latest build did (`Build.action`: "cached", "built" or "failed") and
-`compiler_runs` counts the compilations of this process.
+fails to load is rebuilt once, even where a library of the other arch flag would load. When the folder cannot be
+created or written, the library is built per process into a temporary folder instead (it stays mapped after the
+folder is removed). Deleting the folder clears the cache. `last_build` records what the latest build did
+(`Build.action`: "cached", "built" or "failed") and `compiler_runs` counts the compilations of this process.
+
+The cache is a trust boundary (docs/security.md): the folder is created 0700, and a library is loaded from it only
+when the folder and the file belong to this user, nobody else can write either, and the file is not a symbolic
+link; otherwise it is built anew (privately) and a one-line warning says why, once.
 
 `-march=native` is used when the compiler accepts it, else no arch flag (a cached build with either is loaded,
 `-march=native` first). `HERMES_KERNELS_NATIVE=0` in the environment turns the C path off; so does a missing or
@@ -33,8 +38,10 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 __all__ = ["library", "unavailable_reason", "cache_folder", "Build", "ENV_SWITCH", "CACHE_ENV"]
@@ -66,13 +73,26 @@ class Build:
 
 last_build: Build | None = None  # the record of the latest `_build` call of this process
 compiler_runs = 0  # compilations run by this process
+_warned: set[str] = set()  # the cache warnings given by this process (each is said once)
 
 
 def _compiler() -> str | None:
+    """The compiler's path: `$CC` when set (None when it names no program: no fallback, see `_no_compiler`), else
+    the first of cc, gcc and clang on PATH."""
     chosen = os.environ.get("CC")
     if chosen:
         return shutil.which(chosen)
     return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _no_compiler() -> str:
+    """Why `_compiler()` is None. A `$CC` that names no program is refused rather than replaced: the user chose
+    that compiler, and building with another one would hide the mistake."""
+    chosen = os.environ.get("CC")
+    if chosen:
+        return (f"no C compiler: CC={chosen!r} names no program on PATH (CC takes one compiler, no arguments; "
+                f"unset CC to use cc, gcc or clang)")
+    return "no C compiler found ($CC, cc, gcc, clang)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,13 +143,59 @@ def _key(name: str, source: bytes, compiler: str, arch: list[str]) -> str:
     return digest.hexdigest()[:32]
 
 
+def _untrusted(info: os.stat_result, what: str) -> str | None:
+    """Why a folder or file with this status is not trusted (owned by another user, or writable by its group or
+    others), or None: the rule ssh applies to its files."""
+    if info.st_uid != os.geteuid():
+        return f"{what} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by its group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)  # at the caller of `library`
+
+
 def _usable_folder() -> Path | None:
+    """The cache folder, created 0700 when missing; None when it cannot be created or is not trusted (then
+    with a warning that says why)."""
     try:
         folder = cache_folder()
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.stat(folder)
     except OSError:  # e.g. a parent that is a file, or no permission
         return None
+    reason = _untrusted(info, str(folder))
+    if reason is not None:
+        _warn_once(f"hermes_kernels: the build cache is not used: {reason}; building in a private temporary "
+                   f"folder instead")
+        return None
+    return folder
+
+
+def _trusted_file(path: Path) -> bool:
+    """Whether a cached library may be loaded: a regular file of this user that its group and others cannot write,
+    opened without following a symbolic link. False (with a warning) for one that exists but fails that; False
+    (silently) for none."""
+    try:
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:  # ELOOP: a symbolic link
+        reason = f"{path} is a symbolic link" if os.path.islink(path) else f"{path} cannot be opened: {exc}"
+    else:
+        try:
+            info = os.fstat(handle)
+        finally:
+            os.close(handle)
+        reason = _untrusted(info, str(path)) if stat.S_ISREG(info.st_mode) else f"{path} is not a regular file"
+        if reason is None:
+            return True
+    _warn_once(f"hermes_kernels: a cached library is not loaded: {reason}; building it anew")
+    return False
 
 
 def _record(build: Build) -> Build:
@@ -143,7 +209,7 @@ def _build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     compiler = _compiler()
     if compiler is None:
         _record(Build(name, "failed"))
-        return None, "no C compiler found ($CC, cc, gcc, clang)"
+        return None, _no_compiler()
     source = _SOURCE_DIR / f"{name}.c"
     try:
         code = source.read_bytes()
@@ -155,10 +221,14 @@ def _build(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     if folder is not None:
         for key in keys:
             cached = folder / f"{name}-{key}.so"
-            if cached.is_file():
+            if os.path.lexists(cached):
+                # the first library found decides: a corrupt or untrusted one is rebuilt below (once), replacing
+                # it (a rename replaces a symbolic link, not its target), never loaded around
+                if not _trusted_file(cached):
+                    break
                 try:
                     library = ctypes.CDLL(str(cached))
-                except OSError:  # corrupt or foreign: rebuilt below (once), replacing it
+                except OSError:
                     break
                 _record(Build(name, "cached", str(cached), key, True))
                 return library, None

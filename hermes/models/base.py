@@ -48,6 +48,12 @@ class VideoChunk:
         return self.extra(self.embeds.shape[1] if count is None else count)
 
 
+def size_of(video_processor) -> SizeDict:
+    """A video processor's `size` setting as a SizeDict (transformers' processors may keep a dict, the twins keep
+    a SizeDict)."""
+    return SizeDict(**dict(video_processor.size))
+
+
 class PilVideoProcessor:
     """Base of the torchvision-free twins of transformers' video processors (docs/families.md#processors):
     per-frame RGB conversion, resize, rescale and normalisation with the checkpoint's PIL image processor, under
@@ -182,6 +188,12 @@ class ModelFamily(abc.ABC):
         """H2SVC frames (`VideoChunk.frames`) in one chunk's `prepare_frames` output."""
 
     # ---- what the base provides ------------------------------------------------------------------------------
+    def kept_size(self, processor, height: int, width: int) -> tuple[int, int] | None:
+        """(height, width) `prepare_frames` resizes a height x width frame to (the largest, where it depends on
+        the chunk), or None when frames go through whole: how far the video reader may shrink frames while
+        decoding them (`hermes.video.VideoReader.output_size`, docs/security.md#video)."""
+        return None
+
     def language_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The decoder stack the cache and attention patch apply to."""
         return model.model.language_model

@@ -7,7 +7,7 @@ import math
 import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels
+from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels, size_of
 
 
 class LlavaOneVisionPilVideoProcessor(PilVideoProcessor):
@@ -67,6 +67,14 @@ class LlavaOneVision(ModelFamily):
         """{"video": pixel values [1, F, C, S, S]} from frames uint8 [F, H, W, 3] (fps and start play no part)."""
         out = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
         return {"video": out["pixel_values_videos"]}
+
+    def kept_size(self, processor, height, width):
+        """The tower's square, `size` (the aspect ratio is not kept)."""
+        video_processor = processor.video_processor
+        if not video_processor.do_resize:
+            return None
+        size = size_of(video_processor)
+        return size.height, size.width
 
     def memory_frames(self, inputs):
         return int(inputs["video"].shape[-4])  # pixel values [1, F, C, S, S] or [F, C, S, S]

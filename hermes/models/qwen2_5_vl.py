@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from hermes_kernels.rope import RotaryLayout
 
-from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels
+from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels, size_of
 
 
 def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) \
@@ -136,6 +137,15 @@ class Qwen2_5_VL(ModelFamily):
                               cap_pixels_per_frame=False)
         return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
                 "seconds_per_grid": video_processor.temporal_patch_size / float(fps)}
+
+    def kept_size(self, processor, height, width):
+        """Qwen2-VL's per-frame `smart_resize` within size's pixel bounds (`prepare_frames` asks for no cap)."""
+        video_processor = processor.video_processor
+        if not video_processor.do_resize:
+            return None
+        size = size_of(video_processor)
+        return smart_resize(height, width, factor=video_processor.patch_size * video_processor.merge_size,
+                            min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
 
     def memory_frames(self, inputs):
         return int(torch.as_tensor(inputs["grid_thw"]).reshape(-1, 3)[0, 0])  # grid_t

@@ -17,7 +17,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
 from hermes_kernels.rope import RotaryLayout
 
-from .base import VideoChunk
+from .base import VideoChunk, size_of
 from .qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLPilVideoProcessor
 
 TIMESTAMP_DIGITS = 5  # integer digits of a frame's timestamp: runs keep one length up to 99999.9 s (27.7 h)
@@ -194,6 +194,19 @@ class Qwen3_VL(Qwen2_5_VL):
         size = video_processor.temporal_patch_size
         clips = [np.concatenate([clip, np.repeat(clip[-1:], -len(clip) % size, axis=0)]) for clip in clips]
         return video_processor(videos=clips, return_tensors="pt", do_sample_frames=False, cap_pixels_per_frame=True)
+
+    def kept_size(self, processor, height, width):
+        """Qwen3-VL's clip-wide `smart_resize` with the per-frame cap (as `_process` asks), for the shortest clip,
+        temporal_patch_size frames: a longer clip's frames are no larger."""
+        video_processor = processor.video_processor
+        if not video_processor.do_resize:
+            return None
+        size, frames = size_of(video_processor), video_processor.temporal_patch_size
+        factor = video_processor.patch_size * video_processor.merge_size
+        per_frame = max(min(video_processor.max_video_tokens * factor ** 2, size.longest_edge // frames),
+                        int(size.shortest_edge * 1.05))
+        return smart_resize(frames, height, width, temporal_factor=frames, factor=factor,
+                            min_pixels=size.shortest_edge, max_pixels=per_frame * frames)
 
     def prepare_frames(self, processor, frames, fps, start=0.0):
         """{"video": patches, "grid_thw": [1, 3], "timestamps": seconds of each temporal step} from frames uint8

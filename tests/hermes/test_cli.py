@@ -26,7 +26,7 @@ from transformers.utils import is_torchvision_available
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 import hermes.models.processing
-from hermes.testing import TINY_QWEN_PIXELS
+from hermes.testing import TINY_QWEN_PIXELS, save_tiny_checkpoint
 from hermes import cli
 from hermes.policies.h2svc.head_map import HeadProfile, save_head_map
 from hermes.models import family_of_type
@@ -35,7 +35,8 @@ from hermes.models.processing import load_processor
 from hermes.models.qwen2_5_vl import Qwen2_5_VLPilVideoProcessor
 from hermes.stream import HermesStream
 from tests.utils import REPO, error_line
-from tests.hermes.video_files import HEIGHT, WIDTH, decode_all, frame_index, write_video
+from tests.hermes.video_files import (HEIGHT, WIDTH, decode_all, frame_index, write_gray, write_video,
+                                      write_without_frames)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -45,6 +46,10 @@ EARLY = "where is the ball ?"
 # 14 samples at 1 fps -> chunks of 4, 4, 4, 2; 20 visual tokens kept (LLaVA: 64 per chunk, Qwen: 24), so
 # every chunk compresses
 RUN = dict(fps=1, chunk_frames=4, budget=20, max_new_tokens=6)
+# the size the reader decodes the 48 x 64 files at: the smallest of their aspect ratio covering what the processor
+# keeps (docs/security.md#video): LLaVA-OV's 16 x 16 square (x 1/3: 16 x 21.3, rounded up), Qwen2.5-VL's
+# smart_resize (12 x 16, x 1/4)
+DECODED = {"llava_onevision": (16, 22), "qwen2_5_vl": (12, 16)}
 TIMINGS = ("prepare_ms", "latency_ms")
 
 
@@ -198,15 +203,41 @@ def test_twins_match_the_real_video_processors(tiny_checkpoints, family):
                 torch.testing.assert_close(got[key], want[key].to(got[key].dtype), atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def processors(tmp_path_factory):
+    """model_type -> (family, processor) of a tiny checkpoint of each family (no weights loaded)."""
+    made = {}
+    for model_type in ("llava_onevision", "qwen2_5_vl", "qwen3_vl"):
+        family = family_of_type(model_type)
+        made[model_type] = family, load_processor(save_tiny_checkpoint(tmp_path_factory.mktemp(model_type),
+                                                                       model_type), family)
+    return made
+
+
+@pytest.mark.parametrize("model_type", ["llava_onevision", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("height,width", [(HEIGHT, WIDTH), (90, 40), (30, 200), (7, 9)])
+@pytest.mark.parametrize("count", [2, 4])
+def test_kept_size_is_the_size_prepare_frames_makes(processors, model_type, height, width, count):
+    """`kept_size` (what the reader may shrink frames to) is the size of the frames `prepare_frames` outputs, for
+    frames of several shapes (wide, tall, smaller than the processor's size) and chunks of 2 and 4 frames."""
+    family, processor = processors[model_type]
+    inputs = family.prepare_frames(processor, random_frames(count, height=height, width=width), fps=1)
+    if model_type == "llava_onevision":
+        made = tuple(inputs["video"].shape[-2:])
+    else:
+        made = tuple(int(x) * processor.video_processor.patch_size for x in inputs["grid_thw"].reshape(3)[1:])
+    assert family.kept_size(processor, height, width) == made
+
+
 # ---- run --------------------------------------------------------------------------------------------------
 def direct_stream(loaded, path, family, **policy):
-    """The same video through HermesStream by hand: PyAV decodes every frame, every fourth is kept (4 fps file
-    at 1 fps), chunks of 4 go through the checkpoint's processor; EARLY is asked after chunk 1 (4..7 s, the
-    first to reach 5 s), QUESTION at the end. `policy`: HermesStream's policy arguments (default: HERMES at the
-    run's budget). Returns (stats after each chunk, answers)."""
+    """The same video through HermesStream by hand: PyAV decodes every frame (scaled to DECODED), every fourth is
+    kept (4 fps file at 1 fps), chunks of 4 go through the checkpoint's processor; EARLY is asked after chunk 1
+    (4..7 s, the first to reach 5 s), QUESTION at the end. `policy`: HermesStream's policy arguments (default:
+    HERMES at the run's budget). Returns (stats after each chunk, answers)."""
     _, frames = decode_all(path)
-    picked = frames[::4]
-    assert [frame_index(f) for f in picked] == list(range(0, 56, 4))
+    assert [frame_index(f) for f in frames[::4]] == list(range(0, 56, 4))
+    picked = decode_all(path, DECODED[family])[1][::4]
     model, processor = loaded.model, loaded.processor
     qwen = family == "qwen2_5_vl"
     frame_size = smart_resize(HEIGHT, WIDTH, factor=4, min_pixels=TINY_QWEN_PIXELS[0],
@@ -226,6 +257,22 @@ def direct_stream(loaded, path, family, **policy):
             answers.append(stream.ask(EARLY, max_new_tokens=RUN["max_new_tokens"]).strip())
     answers.append(stream.ask(QUESTION, max_new_tokens=RUN["max_new_tokens"]).strip())
     return stats, answers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_frames_reach_the_processor_at_the_size_it_keeps(family, loaded, videos, monkeypatch):
+    """`run` decodes the 48 x 64 file at DECODED (check_run sets the reader's keep from the processor): that is
+    the size of every chunk `prepare_frames` receives, in check_run and in the stream."""
+    shapes, family_type = [], type(loaded[family].family)
+    prepare = family_type.prepare_frames
+
+    def record(self, processor, frames, fps, start=0.0):
+        shapes.append(frames.shape)
+        return prepare(self, processor, frames, fps, start)
+
+    monkeypatch.setattr(family_type, "prepare_frames", record)
+    cli.run(loaded[family], videos["cfr"], fps=1, chunk_frames=4, budget=RUN["budget"])
+    assert shapes == [(4, *DECODED[family], 3)] * 3 + [(2, *DECODED[family], 3)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -378,7 +425,8 @@ def bad_inputs(tmp_path_factory, videos):
     (folder / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (folder / "empty").mkdir()
     return {"junk": str(junk), "llama": str(folder / "llama"), "empty": str(folder / "empty"),
-            "missing": str(folder / "missing.mp4")}
+            "missing": str(folder / "missing.mp4"), "wide": write_gray(folder / "wide.mkv", 2, 9000),
+            "frameless": write_without_frames(folder / "frameless.mkv")}
 
 
 # status 1: an input that cannot be read; 2: a setting that cannot work (the command's contract, hermes/cli.py)
@@ -389,6 +437,11 @@ def bad_inputs(tmp_path_factory, videos):
     ("not a checkpoint", ["--model", "{empty}"], r"has no config\.json", 1),
     ("unknown model type", ["--model", "{llama}"], r"model type 'llama' is not supported; supported: llava_onevision",
      2),
+    ("frames too large", ["--video", "{wide}"], r"video: .*wide\.mkv declares 9000 x 2 px frames; the reader "
+     r"decodes at most 8192 px a side", 1),
+    ("no video frames", ["--video", "{frameless}"], r"video: .*frameless\.mkv has no video frames", 1),
+    ("chunk too large", ["--chunk-frames", "4000000"], r"chunk_frames: 4000000 frames of 22 x 16 px would hold "
+     r"3\.9 GiB, over the 1 GiB one chunk may hold", 2),
     ("shorter than one chunk", ["--video", "{short}"], r"video: 3 frames sampled at 1 fps, fewer than one chunk of 4",
      2),
     ("budget too small", ["--budget", "1"], r"budget=1.*HermesConfig\.budget: must be >= 2", 2),

@@ -1,12 +1,22 @@
-"""hermes.video: frames sampled by timestamp (constant and variable frame rate), chunking, bad files, times."""
+"""hermes.video: frames sampled by timestamp (constant and variable frame rate), chunking, bad files, times; and
+the reader as a trust boundary (docs/security.md#video): frames scaled as they are decoded, bounds on what a file
+may ask, and fuzzed files, each read in a subprocess with bounded time and memory."""
+import json
+import os
+import subprocess
+import sys
 import wave
 from fractions import Fraction
 
 import av
+import numpy as np
 import pytest
 
+from hermes import video
 from hermes.video import VideoReader, parse_time, sample_by_time
-from tests.hermes.video_files import decode_all, frame_index, write_video
+from tests.hermes.video_files import (HEIGHT, WIDTH, decode_all, frame_index, write_gray, write_packets, write_video,
+                                      write_without_frames)
+from tests.utils import REPO
 
 VFR_TIMES = [0.0, 0.1, 0.2, 1.5, 1.6, 3.0, 3.05]
 
@@ -140,3 +150,223 @@ def test_parse_time(text, seconds):
 def test_parse_time_rejects(text):
     with pytest.raises(ValueError, match="time"):
         parse_time(text)
+
+
+# ---- untrusted files (docs/security.md#video) ---------------------------------------------------------------------
+@pytest.mark.parametrize("keep,size", [((16, 16), (16, 22)), ((12, 16), (12, 16)), ((24, 8), (24, 32)),
+                                       ((48, 64), (48, 64)), ((100, 10), (48, 64)), (None, (48, 64))])
+def test_output_size_is_the_smallest_of_the_aspect_ratio_that_covers_keep(files, keep, size):
+    """48 x 64 frames: keep (16, 16) scales by 1/3 (16 x 21.33, rounded up to 22), (24, 8) by 1/2; a keep not
+    smaller on both sides, or none, leaves the frames whole."""
+    with VideoReader(files["cfr"]) as reader:
+        assert reader.size == (HEIGHT, WIDTH)
+        assert reader.output_size(keep) == size
+
+
+@pytest.mark.parametrize("keep", [(0, 16), (16,), "16x16", (16.0, 16), (True, 16)])
+def test_a_bad_keep_is_refused(files, keep):
+    with VideoReader(files["cfr"]) as reader, pytest.raises(ValueError, match="keep: expected"):
+        reader.chunks(1, 4, keep=keep)
+
+
+def test_frames_are_scaled_as_they_are_decoded(files):
+    """With keep, every chunk holds frames of output_size: swscale's bicubic scaling of the same frames (what
+    PyAV gives), still the frames sampled (read back from their colours)."""
+    with VideoReader(files["cfr"]) as reader:
+        chunks = list(reader.chunks(1, 4, keep=(16, 16)))
+    assert [c.frames.shape for c in chunks] == [(4, 16, 22, 3)] * 3 + [(2, 16, 22, 3)]
+    _, scaled = decode_all(files["cfr"], (16, 22))
+    np.testing.assert_array_equal(np.concatenate([c.frames for c in chunks]), np.stack(scaled[::4]))
+    assert [frame_index(f) for c in chunks for f in c.frames] == list(range(0, 56, 4))
+
+
+def test_a_chunk_may_hold_at_most_max_chunk_bytes(files):
+    """The bound is on the frames as delivered (scaled), and checked when chunks() is called, before decoding."""
+    with VideoReader(files["cfr"]) as reader:
+        most = video.MAX_CHUNK_BYTES // (16 * 22 * 3)
+        reader.chunks(1, most, keep=(16, 16))
+        with pytest.raises(ValueError, match=rf"chunk_frames: {most + 1} frames of 22 x 16 px would hold 1\.0 GiB, "
+                                             r"over the 1 GiB one chunk may hold; lower chunk_frames"):
+            reader.chunks(1, most + 1, keep=(16, 16))
+        with pytest.raises(ValueError, match=r"chunk_frames: 200000 frames of 64 x 48 px would hold 1\.7 GiB"):
+            reader.chunks(1, 200_000)
+
+
+def test_frames_whose_size_changes_mid_stream_come_out_at_one_size(tmp_path):
+    """A stream whose frames change size (the decoder follows each frame) is delivered at the stream's size."""
+    path = write_packets(tmp_path / "sizes.mkv", [0, 250, 500, 750],
+                         sizes=[(HEIGHT, WIDTH), (2 * HEIGHT, 2 * WIDTH), (HEIGHT, WIDTH), (HEIGHT // 2, WIDTH // 2)])
+    with VideoReader(path) as reader:
+        (chunk,) = reader.chunks(4, 8)
+    assert chunk.frames.shape == (4, HEIGHT, WIDTH, 3)
+    assert [frame_index(f) for f in chunk.frames] == [0, 1, 2, 3]
+
+
+def test_frames_over_max_pixels_are_not_even_probed(tmp_path, monkeypatch):
+    """A frame within MAX_SIDE but over MAX_PIXELS (a smaller bound here: a real one would be a 35 MB frame): FFmpeg
+    refuses to allocate it while probing the file, so its size stays unknown and the file is refused."""
+    path = write_gray(tmp_path / "big.mkv", 60, 80)
+    VideoReader(path).close()
+    monkeypatch.setattr(video, "MAX_PIXELS", 80 * 60 - 1)
+    with pytest.raises(ValueError, match=r"big\.mkv: the size of its frames is unknown: no frame could be probed, "
+                                         r"or they are over 4799 px, which are not decoded"):
+        VideoReader(path)
+
+
+# read in a subprocess: hermes.video alone (no torch), address space capped; one JSON line of what came out
+READ = """
+import json, resource, sys, types
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[5]), int(sys.argv[5])))
+package = types.ModuleType("hermes")
+package.__path__ = [sys.argv[1]]
+sys.modules["hermes"] = package
+from hermes.video import VideoReader
+try:
+    with VideoReader(sys.argv[2]) as reader:
+        result = dict(chunks=[dict(sources=chunk.sources, shape=list(chunk.frames.shape))
+                              for chunk in reader.chunks(float(sys.argv[3]), int(sys.argv[4]))])
+except (ValueError, FileNotFoundError) as err:
+    result = dict(error=str(err))
+with open("/proc/self/status") as status:  # VmHWM: this program's peak (ru_maxrss counts the parent's before exec)
+    result["peak_mib"] = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+print(json.dumps(result))
+"""
+ADDRESS_SPACE = 1536 * 2 ** 20  # bytes: python, numpy and FFmpeg's threads fit; a 16384 x 16384 frame does not
+PEAK_MIB = 300  # resident memory a case may reach (about 50 MiB read a small file)
+SECONDS = 60  # per case: each takes well under a second
+
+
+def read_bounded(path, fps: float = 1, chunk_frames: int = 4) -> dict:
+    """Read `path` in a subprocess under ADDRESS_SPACE, SECONDS and PEAK_MIB: no crash, no hang, bounded memory;
+    returns {"chunks": [{"sources", "shape"}, ...]} or {"error": message}."""
+    # glibc's per-thread arenas and a BLAS thread per core would reserve address space on a many-core machine
+    env = dict(os.environ, MALLOC_ARENA_MAX="2", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", READ, os.path.join(REPO, "hermes"), str(path), str(fps),
+                           str(chunk_frames), str(ADDRESS_SPACE)], capture_output=True, text=True, timeout=SECONDS,
+                          env=env)
+    assert done.returncode == 0, f"the reader crashed on {path}: {done.returncode}\n{done.stderr[-2000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["peak_mib"] < PEAK_MIB, result
+    assert "error" not in result or (result["error"].startswith("video:") and "\n" not in result["error"])
+    return result
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The fuzz cases' originals: MPEG-4 in Matroska (header first) and in MP4 (index last), 6 s at 4 fps."""
+    folder = tmp_path_factory.mktemp("sources")
+    times = [i / 4 for i in range(24)]
+    return {"mkv": write_video(folder / "base.mkv", times), "mp4": write_video(folder / "base.mp4", times)}
+
+
+def sampled_sources(result) -> list[int]:
+    return [s for chunk in result["chunks"] for s in chunk["sources"]]
+
+
+def frames_as_declared(result) -> bool:
+    """Whole chunks (but the last) of frames of the stream's size."""
+    return all(c["shape"][1:] == [HEIGHT, WIDTH, 3] for c in result["chunks"]) and \
+        all(c["shape"][0] == 4 for c in result["chunks"][:-1])
+
+
+@pytest.mark.parametrize("kind", ["mkv", "mp4"])
+@pytest.mark.parametrize("kept", [0.0, 0.1, 0.5, 0.9])
+def test_fuzz_a_truncated_file_gives_an_error_or_a_prefix(sources, tmp_path, kind, kept):
+    """Cut at any point (nothing at all included): one "video:" error, or the samples of a prefix of the file."""
+    data = open(sources[kind], "rb").read()
+    path = tmp_path / f"cut.{kind}"
+    path.write_bytes(data[:int(len(data) * kept)])
+    result = read_bounded(path)
+    if "error" not in result:
+        with VideoReader(sources[kind]) as reader:
+            full = [source for chunk in reader.chunks(1, 4) for source in chunk.sources]
+        got = sampled_sources(result)
+        assert got == full[:len(got)] and frames_as_declared(result)
+    elif kept == 0.0:
+        assert result["error"].startswith("video: cannot read")
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("head", [8, 2])
+@pytest.mark.parametrize("kind", ["mkv", "mp4"])
+def test_fuzz_garbage_after_a_valid_header_gives_an_error_or_frames(sources, tmp_path, kind, head, seed):
+    """The first 1/head of the file kept (Matroska: its header and track, then frames), the rest random bytes:
+    one "video:" error, or chunks of frames of the declared size (what the decoder made of the garbage)."""
+    data = open(sources[kind], "rb").read()
+    path = tmp_path / f"garbage.{kind}"
+    path.write_bytes(data[:len(data) // head] + np.random.default_rng(seed).bytes(len(data) - len(data) // head))
+    result = read_bounded(path)
+    assert "error" in result or frames_as_declared(result)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", ["mkv", "mp4"])
+def test_fuzz_flipped_bytes_give_an_error_or_frames(sources, tmp_path, kind, seed):
+    """One byte in 200 changed anywhere (headers, indexes, frame data; among such files: unknown codecs, lost
+    streams, boxes that ask for more memory than FFmpeg allows, decoding errors): one "video:" error, or chunks of
+    frames of the declared size."""
+    rng = np.random.default_rng(seed)
+    data = np.frombuffer(open(sources[kind], "rb").read(), np.uint8).copy()
+    where = rng.integers(0, data.size, size=data.size // 200)
+    data[where] ^= rng.integers(1, 256, size=where.size, dtype=np.uint8)
+    path = tmp_path / f"flipped.{kind}"
+    path.write_bytes(data.tobytes())
+    result = read_bounded(path)
+    assert "error" in result or frames_as_declared(result)
+
+
+def test_fuzz_zero_length_and_non_monotonic_timestamps_are_skipped(tmp_path):
+    """Frames that do not come after the latest one are skipped (the module docstring): six frames at time 0 give
+    one sample; times 0, 0.5, 1, 0.4, 1.5, 0.2 s sampled at 2 fps give frames 0, 1, 2, 4."""
+    assert read_bounded(write_packets(tmp_path / "zero.mkv", [0] * 6))["chunks"] == \
+        [{"sources": [0], "shape": [1, HEIGHT, WIDTH, 3]}]
+    shuffled = write_packets(tmp_path / "back.mkv", [0, 500, 1000, 400, 1500, 200], dts=[0, 1, 2, 3, 4, 5])
+    assert sampled_sources(read_bounded(shuffled, fps=2)) == [0, 1, 2, 4]
+
+
+def test_fuzz_a_huge_frame_rate_and_a_huge_gap(tmp_path, sources):
+    """Twelve frames a nanosecond apart (a 10^9 fps stream) all fall before the second sample: one sample. A
+    jump of 10^6 s between frames, or an fps of 10^9 on an ordinary file, would repeat one frame millions of
+    times: refused with one line."""
+    dense = write_packets(tmp_path / "dense.mp4", list(range(12)), unit=Fraction(1, 10 ** 9))
+    assert read_bounded(dense)["chunks"] == [{"sources": [0], "shape": [1, HEIGHT, WIDTH, 3]}]
+    gap = write_packets(tmp_path / "gap.mkv", [0, 250, 10 ** 9])
+    assert read_bounded(gap)["error"] == (f"video: {gap} jumps from 0.25 s to 1000000.00 s, a gap of over 3600 s "
+                                          f"that would repeat one frame over 3600 times; its timestamps are broken, "
+                                          f"or lower fps")
+    assert "a gap of over 3.6e-06 s" in read_bounded(sources["mkv"], fps=10 ** 9)["error"]
+
+
+def test_fuzz_absurd_sizes_and_no_frames(tmp_path):
+    """A file that claims 16384 x 16384 frames (its header patched; no such frame can be probed), one of
+    9000 x 2 frames, an empty file and a video track without frames: one line each, in bounded memory."""
+    original = write_gray(tmp_path / "gray.mkv", 300, 300)
+    data = open(original, "rb").read()
+    for element in (b"\xb0\x82\x01\x2c", b"\xba\x82\x01\x2c"):  # Matroska PixelWidth, PixelHeight: 2 bytes, 300
+        assert data.count(element) == 1
+        data = data.replace(element, element[:2] + (16384).to_bytes(2, "big"))
+    claimed = tmp_path / "claimed.mkv"
+    claimed.write_bytes(data)
+    assert read_bounded(claimed)["error"] == (f"video: {claimed}: the size of its frames is unknown: no frame could "
+                                              f"be probed, or they are over 35389440 px, which are not decoded")
+    wide = write_gray(tmp_path / "wide.mkv", 2, 9000)
+    assert read_bounded(wide)["error"] == (f"video: {wide} declares 9000 x 2 px frames; the reader decodes at most "
+                                           f"8192 px a side and 35389440 px a frame")
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    assert read_bounded(tmp_path / "empty.mp4")["error"].startswith("video: cannot read")
+    none = write_without_frames(tmp_path / "none.mkv")
+    assert read_bounded(none)["error"] == f"video: {none} has no video frames (none of its video stream decodes)"
+
+
+def test_fuzz_an_unknown_codec_and_metadata_that_is_not_utf8(sources, tmp_path):
+    """The track's codec renamed to one FFmpeg does not know: one line. The muxer's name (in the header and the
+    ENCODER tag) made invalid UTF-8: read as the original (PyAV would raise UnicodeDecodeError reading the tags
+    strictly)."""
+    data = open(sources["mkv"], "rb").read()
+    assert data.count(b"V_MPEG4/ISO/ASP") == 1 and b"Lavf" in data  # Matroska CodecID; the muxer's name
+    unknown = tmp_path / "unknown.mkv"
+    unknown.write_bytes(data.replace(b"V_MPEG4/ISO/ASP", b"V_NOSUCH/CODEC!"))
+    assert read_bounded(unknown)["error"] == f"video: {unknown}: its video stream is in a format PyAV cannot decode"
+    tagged = tmp_path / "tagged.mkv"
+    tagged.write_bytes(data.replace(b"Lavf", b"\xff\xfe\xfd\xfc"))
+    assert read_bounded(tagged)["chunks"] == read_bounded(sources["mkv"])["chunks"]

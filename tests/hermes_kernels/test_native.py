@@ -1,6 +1,7 @@
 """The C build cache of `hermes_kernels.native`: built once per machine, keyed by source, compiler, flags and CPU,
-safe under concurrent first builds, and still working when the cache folder cannot be used. Every test points
-HERMES_KERNELS_CACHE at its own tmp folder; the cross-process ones run `python -c` from the checkout."""
+safe under concurrent first builds, still working when the cache folder cannot be used, and a trust boundary: a
+library is loaded only from a private folder (docs/security.md). Every test points HERMES_KERNELS_CACHE at its own
+tmp folder; the cross-process ones run `python -c` from the checkout."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -46,6 +48,7 @@ def cache(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     monkeypatch.setenv(native.CACHE_ENV, str(folder))
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(native, "_warned", set())
     native._build.cache_clear()
     yield folder
     native._build.cache_clear()
@@ -291,3 +294,163 @@ def test_a_compiler_without_march_native_builds_and_caches_without_the_arch_flag
     assert libraries(cache) == [f"stce_cpu-{plain_key}.so"]
     again = load("stce_cpu")
     assert again.action == "cached" and again.key == plain_key and again.compiles == 0
+
+
+def test_a_corrupt_cached_library_beside_a_valid_one_is_rebuilt_not_loaded_around(cache):
+    """The -march=native key's file is corrupt and the plain key's file is a working library: a new process
+    rebuilds the corrupt one (the preferred flag) and does not load the other in its place."""
+    first = report(start("stce_cpu", "hermes_stce_rows", cache))
+    assert first["key"] == keys_of("stce_cpu")[0], "the compiler rejects -march=native: nothing to compare"
+    preferred, fallback = (cache / f"stce_cpu-{key}.so" for key in keys_of("stce_cpu"))
+    shutil.copy(preferred, fallback)
+    (cache / "corrupt").write_bytes(b"\x7fELF half a library")
+    os.replace(cache / "corrupt", preferred)
+    second = report(start("stce_cpu", "hermes_stce_rows", cache))
+    assert (second["action"], second["key"], second["path"]) == ("built", first["key"], str(preferred)), second
+    assert second["runs"] == 1 and second["symbol"] and preferred.stat().st_size > 1000
+
+
+def test_a_cc_that_names_no_program_gives_no_library_and_says_why(cache, monkeypatch):
+    """$CC naming a missing program is not replaced by cc, gcc or clang (which are there): no library, no
+    compilation, a reason that names CC, and the torch ops path runs."""
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    runs = native.compiler_runs
+    native._build.cache_clear()
+    assert native._compiler() is None and native.library("stce_cpu") is None
+    reason = native.unavailable_reason("stce_cpu")
+    assert reason.startswith("no C compiler") and "CC='no-such-compiler-here' names no program" in reason
+    assert "unset CC" in reason and native.last_build.action == "failed" and native.compiler_runs == runs
+    assert not cache.exists() or libraries(cache) == []
+    monkeypatch.delenv("CC")
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is not None, "unsetting CC brings the fallback compilers back"
+
+
+# ---- the cache as a trust boundary (docs/security.md) -----------------------------------------------------------
+# a library that, when loaded, creates a marker file: it proves whether a planted library ran
+PLANTED = """#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen(MARKER, "w"); if (f) fclose(f); }
+int hermes_stce_rows(void) { return 0; }
+int hermes_dense_rank(void) { return 0; }
+"""
+
+
+def keys_of(name: str) -> list[str]:
+    source = (native._SOURCE_DIR / f"{name}.c").read_bytes()
+    return [native._key(name, source, native._compiler(), arch) for arch in native._ARCHES]
+
+
+def planted_library(folder, marker) -> str:
+    """Compile PLANTED (creating `marker` when loaded) into `folder`; its path."""
+    folder.mkdir(exist_ok=True)
+    (folder / "planted.c").write_text(PLANTED)
+    output = folder / "planted.so"
+    subprocess.run([native._compiler(), "-shared", "-fPIC", f'-DMARKER="{marker}"', str(folder / "planted.c"),
+                    "-o", str(output)], check=True, capture_output=True, timeout=120)
+    return str(output)
+
+
+def plant(cache, tmp_path, name: str = "stce_cpu", link: bool = False):
+    """A planted library under every key of `name` in `cache` (copies, or symbolic links to it with `link`);
+    returns the marker file that shows it was loaded."""
+    marker = tmp_path / "planted-ran"
+    source = planted_library(tmp_path / "planted", marker)
+    cache.mkdir(mode=0o700, exist_ok=True)
+    for key in keys_of(name):
+        target = cache / f"{name}-{key}.so"
+        os.symlink(source, target) if link else shutil.copy(source, target)
+    return marker
+
+
+def load_warning(name: str) -> tuple[native.Build, list[str]]:
+    """Build or load `name` afresh; the warnings given, as strings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build = load(name)
+    return build, [str(w.message) for w in caught]
+
+
+def test_the_cache_folder_is_created_private_whatever_the_umask(cache):
+    old = os.umask(0)
+    try:
+        load("stce_cpu")
+    finally:
+        os.umask(old)
+    assert oct(cache.stat().st_mode & 0o777) == oct(0o700)
+    assert load("stce_cpu").action == "cached"
+
+
+def test_a_folder_writable_by_others_is_not_loaded_from(cache, tmp_path):
+    """A 0777 cache folder holding a library under the right key: the library never runs; the build goes to a
+    private temporary folder, the planted file stays, and one warning says why."""
+    marker = plant(cache, tmp_path)
+    cache.chmod(0o777)
+    before = sorted((path.name, path.read_bytes()) for path in cache.iterdir())
+    build, said = load_warning("stce_cpu")
+    assert not marker.exists(), "the planted library was loaded"
+    assert build.action == "built" and not build.in_cache and not build.path.startswith(str(cache))
+    assert sorted((path.name, path.read_bytes()) for path in cache.iterdir()) == before
+    assert said == [f"hermes_kernels: the build cache is not used: {cache} is writable by its group or others "
+                    f"(mode 0777); building in a private temporary folder instead"]
+    assert hasattr(native.library("stce_cpu"), "hermes_stce_rows")
+
+
+def test_a_group_writable_folder_is_said_once_for_every_library_in_a_new_process(cache, tmp_path):
+    """In a second process, both libraries from a 0770 folder: neither planted file runs and stderr has the one
+    warning line, once."""
+    marker = plant(cache, tmp_path, "stce_cpu")
+    plant(cache, tmp_path, "compact_cpu")
+    cache.chmod(0o770)
+    script = REPORT + "\nprint(json.dumps(dict(other=n.library('compact_cpu') is not None, b=n.last_build.in_cache)))"
+    process = subprocess.Popen([sys.executable, "-W", "default", "-c", script, "stce_cpu", "hermes_stce_rows"],
+                               cwd=REPO, env=environment(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    first, second = (json.loads(line) for line in out.strip().splitlines()[-2:])
+    assert first["action"] == "built" and not first["in_cache"] and first["symbol"]
+    assert second == {"other": True, "b": False}
+    assert not marker.exists(), "a planted library was loaded"
+    said = [line for line in err.splitlines() if "hermes_kernels:" in line]
+    assert len(said) == 1 and f"{cache} is writable by its group or others (mode 0770)" in said[0], err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+@pytest.mark.parametrize("owned", ["folder", "file"])
+def test_a_folder_or_library_of_another_user_is_not_loaded(cache, tmp_path, owned):
+    """The cache folder (0700) or the library in it belongs to uid 65534: the planted library never runs. Another
+    user's folder: the build goes elsewhere; another user's file in this user's folder: rebuilt in its place."""
+    marker = plant(cache, tmp_path)
+    for path in [cache] if owned == "folder" else list(cache.iterdir()):
+        os.chown(path, 65534, 65534)
+    build, said = load_warning("stce_cpu")
+    assert not marker.exists(), "the planted library was loaded"
+    assert len(said) == 1 and "belongs to uid 65534, not to this user (uid 0)" in said[0]
+    if owned == "folder":
+        assert build.action == "built" and not build.in_cache and not build.path.startswith(str(cache))
+    else:
+        assert build.action == "built" and build.in_cache and build.path == str(cache / f"stce_cpu-{build.key}.so")
+        assert os.stat(build.path).st_uid == 0 and load("stce_cpu").action == "cached"
+
+
+@pytest.mark.parametrize("planted", ["symlink", "writable file"])
+def test_a_symlink_or_a_writable_file_in_the_cache_is_not_followed(cache, tmp_path, planted):
+    """In a trusted folder, the key's name is a symbolic link to a library elsewhere, or a library others may
+    write: it never runs; the build replaces the entry with a regular file (the link's target is left alone), and
+    the next process loads that."""
+    marker = plant(cache, tmp_path, link=planted == "symlink")
+    if planted == "writable file":
+        for path in cache.iterdir():
+            path.chmod(0o666)
+    target = (tmp_path / "planted" / "planted.so").read_bytes()
+    build, said = load_warning("stce_cpu")
+    assert not marker.exists(), "the planted library was loaded"
+    assert build.action == "built" and build.in_cache
+    reason = "is a symbolic link" if planted == "symlink" else "is writable by its group or others (mode 0666)"
+    assert len(said) == 1 and reason in said[0], said
+    rebuilt = cache / f"stce_cpu-{build.key}.so"
+    assert not rebuilt.is_symlink() and rebuilt.stat().st_mode & 0o022 == 0
+    assert (tmp_path / "planted" / "planted.so").read_bytes() == target
+    assert load("stce_cpu").action == "cached"
+    again = report(start("stce_cpu", "hermes_stce_rows", cache))
+    assert again["action"] == "cached" and again["path"] == str(rebuilt) and not marker.exists()
