@@ -10,10 +10,12 @@ setup(
     name="hermes-kernels",
     version=VERSION,
     description="Fused Triton kernels and a transformers cache for HERMES streaming-video KV-cache compression",
-    # the kernel library and the model glue; bench/ and tests/ run from the checkout and are not installed. The kernel
-    # library (hermes_kernels, hermes_kernels.compat included) needs torch and triton only, so it installs into the
-    # released HERMES code's environment beside whatever transformers that pins; the glue (hermes) needs "model".
-    packages=find_packages(include=["hermes", "hermes.*", "hermes_kernels", "hermes_kernels.*"]),
+    # the kernel library and the model glue; bench/, tests/ and scaffolding/ (tiny models, the released-class
+    # stand-in) run from the checkout and are not installed (tests/test_packaging.py). The kernel library
+    # (hermes_kernels, hermes_kernels.compat included) needs torch and triton only, so it installs into the released
+    # HERMES code's environment beside whatever transformers that pins; the glue (hermes) needs "model".
+    packages=find_packages(include=["hermes", "hermes.*", "hermes_kernels", "hermes_kernels.*"],
+                           exclude=["scaffolding", "scaffolding.*", "tests", "tests.*", "bench", "bench.*"]),
     package_data={"hermes_kernels": ["*.c"]},  # compiled on first use by hermes_kernels.native
     python_requires=">=3.10",
     install_requires=[

@@ -145,7 +145,9 @@ def _time_stream(append, chunks: list[dict], warm: int) -> Timing:
 
 def _family(name: str, setting: E2ESetting, gen: torch.Generator) -> tuple:
     """(model builder, tokenizer, the chunks' append_video keyword arguments, extra stream arguments) of a family."""
-    from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen3_vl, tiny_tokenizer
+    from scaffolding.models import tiny_llava_ov, tiny_qwen3_vl
+    from scaffolding.pixels import llava_pixels, qwen_pixels
+    from scaffolding.tokenizer import tiny_tokenizer
     from hermes.models.qwen3_vl import step_times
 
     count, size = setting.warm_chunks + setting.timed_chunks, setting.image_size

@@ -1,9 +1,9 @@
 """The released-style stages of `python -m bench`: what one call of `hermes_kernels.compat.accelerate` buys a user of
 the released HERMES code (docs/integrations.md, docs/benchmarks.md).
 
-Both backends of a point run one instance of `hermes_kernels.compat.standin` (the released classes' step, written
-from their documented behaviour: per-layer Python, new tensors per layer, cos/sin tables) on the point's cache:
-"released" as it is, "torch" / "triton" after `accelerate(instance, backend=...)`.
+Both backends of a point run one instance of `scaffolding.standin` (the released classes' step, written from their
+documented behaviour: per-layer Python, new tensors per layer, cos/sin tables) on the point's cache: "released" as it
+is, "torch" / "triton" after `accelerate(instance, backend=...)`.
 
 - `released_step`: the compression after the guidance pass, per chunk. Released: `prune_kv_cache_by_attention`
   on the three prompts' per-layer attention [1, H, q, N + q] (local and global q = 20, mixed q = 40; one tensor
@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from hermes_kernels.compat import accelerate
-from hermes_kernels.compat.standin import ReleasedLLaVAOV, ReleasedQwenVL, TinyCausalLM, TinyLanguageModel, \
-    TinyTokenizer
+from scaffolding.standin import ReleasedLLaVAOV, ReleasedQwenVL, TinyCausalLM, TinyLanguageModel, TinyTokenizer
 
 from .inputs import GUIDANCE_GLOBAL, GUIDANCE_MIXED, Inputs
 from .stages import ADAPTER_BACKENDS, RELEASED, RELEASED_FAMILIES, Case, Unavailable

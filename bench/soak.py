@@ -28,7 +28,10 @@ import torch
 from tqdm import tqdm
 
 from hermes.stream import HermesStream
-from hermes.testing import live_tensors, llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
+from scaffolding.census import live_tensors
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl
+from scaffolding.pixels import llava_pixels, qwen_pixels
+from scaffolding.tokenizer import tiny_tokenizer
 
 FAMILIES = ("llava_ov", "qwen2_5_vl")
 QUESTIONS = ("what is the person holding ?", "where is the red cup the man is holding ?")  # ragged

@@ -22,7 +22,9 @@ import hermes.policies.hermes.policy as hermes_policy
 from hermes.cache import prefill
 from hermes.policies.hermes.guidance import run_guidance
 from hermes.stream import HermesStream
-from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl
+from scaffolding.pixels import llava_pixels, qwen_pixels
+from scaffolding.tokenizer import tiny_tokenizer
 from hermes.attention import attention_implementation
 
 from bench.widths import REAL_WIDTHS
@@ -65,7 +67,7 @@ class Timers:
 
 
 def time_split(name, budget, frames, steps=40, room=200):
-    """The tiny model of family `name` (hermes.testing)."""
+    """The tiny model of family `name` (scaffolding.models)."""
     g = torch.Generator().manual_seed(0)
     model = tiny_llava_ov() if name == "llava_ov" else tiny_qwen2_5_vl()
     extra = {} if name == "llava_ov" else {"frame_size": (16, 16)}

@@ -17,7 +17,7 @@ import torch
 from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2_5_VLConfig,
                           Qwen2_5_VLForConditionalGeneration)
 
-from hermes.testing import tiny_tokenizer
+from scaffolding.tokenizer import tiny_tokenizer
 
 _QWEN2_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6)

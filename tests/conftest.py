@@ -40,7 +40,7 @@ TINY_FAMILIES = ("llava_onevision", "qwen2_5_vl")
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory):
     """model_type -> folder of a tiny random-weight checkpoint saved with save_pretrained (no download)."""
-    from hermes.testing import save_tiny_checkpoint
+    from scaffolding.checkpoint import save_tiny_checkpoint
     return {family: save_tiny_checkpoint(tmp_path_factory.mktemp(family), family) for family in TINY_FAMILIES}
 
 

@@ -2,9 +2,9 @@
 
 `accelerate(model)` speeds up an instance of the released HERMES classes (github.com/haowei-freesky/HERMES,
 `LlavaOneVision_Hermes`, `QwenVL_Hermes`) or of a fork keeping their attributes, in place, and returns a handle
-whose `restore()` puts the original methods back. `hermes_kernels.compat.standin` holds a plain stand-in of those
-classes' compression step, written here from their documented behaviour: the adapter's test oracle and the
-benchmark's released-style baseline. Like the rest of the library, nothing here imports transformers or `hermes`.
+whose `restore()` puts the original methods back. Its test oracle and the benchmark's released-style baseline, a
+stand-in of those classes' compression step, live in the checkout (scaffolding/standin/) and are not installed.
+Like the rest of the library, nothing here imports transformers or `hermes`.
 """
 from .caches import IncompatibleInstance, read_layers, write_layers
 from .handle import Accelerated, accelerate

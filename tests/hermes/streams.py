@@ -13,7 +13,9 @@ from typing import Callable
 import pytest
 import torch
 
-from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_tokenizer
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_vl
+from scaffolding.pixels import llava_pixels, qwen_pixels
+from scaffolding.tokenizer import tiny_tokenizer
 import hermes.attention
 from hermes.attention import attention_implementation
 from hermes.models import family_of

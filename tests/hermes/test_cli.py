@@ -26,7 +26,8 @@ from transformers.utils import is_torchvision_available
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 import hermes.models.processing
-from hermes.testing import TINY_QWEN_PIXELS, save_tiny_checkpoint
+from scaffolding.checkpoint import save_tiny_checkpoint
+from scaffolding.processors import TINY_QWEN_PIXELS
 from hermes import cli
 from hermes.policies.h2svc.head_map import HeadProfile, save_head_map
 from hermes.models import family_of_type

@@ -12,7 +12,7 @@ import pytest
 from hermes.models import FAMILIES, family_of, family_of_type
 from hermes.models.base import ModelFamily, PilVideoProcessor
 from hermes.models.processing import Processor
-from hermes.testing import tiny_image_processor, tiny_video_processor_config
+from scaffolding.processors import tiny_image_processor, tiny_video_processor_config
 from tests.hermes.stream.policies import FAMILIES as CASES
 from tests.utils import REPO
 

@@ -3,7 +3,8 @@ the family's token layout."""
 import pytest
 import torch
 
-from hermes.testing import llava_pixels, tiny_llava_ov
+from scaffolding.models import tiny_llava_ov
+from scaffolding.pixels import llava_pixels
 from hermes.models import family_of
 from hermes.models.llava_ov import LlavaOneVision
 

@@ -3,7 +3,9 @@ the family's positions (built by us, not by `get_rope_index`)."""
 import pytest
 import torch
 
-from hermes.testing import qwen_pixels, tiny_qwen2_5_vl, tiny_tokenizer
+from scaffolding.models import tiny_qwen2_5_vl
+from scaffolding.pixels import qwen_pixels
+from scaffolding.tokenizer import tiny_tokenizer
 from hermes.models.qwen2_5_vl import video_rel_positions
 from hermes.stream import HermesStream
 from tests.hermes.streams import QUESTION, QWEN_FRAMES

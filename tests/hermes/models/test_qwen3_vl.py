@@ -9,7 +9,9 @@ import torch
 from hermes.models import family_of
 from hermes.models.qwen3_vl import TIMESTAMP_DIGITS, Qwen3_VL, chunk_layout, step_times, timestamp_text
 from hermes.stream import HermesStream
-from hermes.testing import qwen_pixels, tiny_qwen3_vl, tiny_tokenizer
+from scaffolding.models import tiny_qwen3_vl
+from scaffolding.pixels import qwen_pixels
+from scaffolding.tokenizer import tiny_tokenizer
 from hermes_kernels.rope import RotaryLayout
 from tests.hermes.models.qwen3_vl_reference import full_inputs, own_forward, question_text, rope_index
 from tests.hermes.policies.h2svc.checks import MIXED_MAP

@@ -18,7 +18,8 @@ from hermes.commands import load_model
 from hermes.models.qwen3_vl import Qwen3_VL, Qwen3VLPilVideoProcessor
 from hermes.policies.h2svc.head_map import load_head_map
 from hermes.policies.h2svc.profile import profile_heads
-from hermes.testing import TINY_QWEN3_PIXELS, save_tiny_checkpoint
+from scaffolding.checkpoint import save_tiny_checkpoint
+from scaffolding.processors import TINY_QWEN3_PIXELS
 from hermes_kernels.policies.h2svc.reference import tad_t2v, tad_v2v
 from tests.hermes.models.qwen3_vl_reference import PREFIX, full_inputs, own_forward, question_text
 from tests.hermes.streams import QUESTION

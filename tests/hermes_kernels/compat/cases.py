@@ -1,7 +1,8 @@
 """Helpers of the adapter tests (tests/hermes_kernels/compat/test_*.py): twin instances of the released-class stand-in
 (one kept as the oracle, one accelerated), random chunks, and a drive that compares them chunk by chunk.
 
-Imports torch and the kernel library only, so the isolated test (transformers and hermes unimportable) uses it too.
+Imports torch, the kernel library and the stand-in (scaffolding/standin/) only, so the isolated test (transformers
+and hermes unimportable) uses it too.
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import dataclasses
 import torch
 
 from hermes_kernels.compat import accelerate, read_layers, write_layers
-from hermes_kernels.compat.standin import (LayeredDynamicCache, LegacyDynamicCache, ReleasedLLaVAOV, ReleasedQwenVL,
-                                           TinyCausalLM, TinyLanguageModel, TinyTokenizer)
+from scaffolding.standin import (LayeredDynamicCache, LegacyDynamicCache, ReleasedLLaVAOV, ReleasedQwenVL, TinyCausalLM,
+                                 TinyLanguageModel, TinyTokenizer)
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 10, 4, 2, 16      # thresholds int(0.1·10) = 1, int(0.7·10) = 7
 PREFIX, BUDGET, CHUNK = 5, 40, 24                      # the first chunk stays under the budget, later ones not

@@ -13,7 +13,7 @@ import torch
 from hermes_kernels.compat import IncompatibleInstance, KeepIndices, accelerate, read_layers
 from hermes_kernels.compat.handle import MARKER
 from hermes_kernels.compat.schedule import METHODS
-from hermes_kernels.compat.standin import ReleasedLLaVAOV, ReleasedQwenVL, rotate_half
+from scaffolding.standin import ReleasedLLaVAOV, ReleasedQwenVL, rotate_half
 from tests.hermes_kernels.compat.cases import (BUDGET, CHUNK, CONTAINERS, GRID, HEADS, KV_HEADS, LAYERS, PREFIX, Case,
                                                compare, drive, make_instance, random_chunks, sync)
 

@@ -21,7 +21,7 @@ ISOLATED = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     import hermes_kernels.compat as compat
-    from hermes_kernels.compat import standin
+    from scaffolding import standin
     from tests.hermes_kernels.compat.cases import Case, drive
 
     for kind, container in (("llava_ov", "list"), ("qwen2_5_vl", "layered")):

@@ -12,7 +12,8 @@ import hermes.policies.h2svc.policy
 from hermes.policies.h2svc.cache import H2SVCCache
 from hermes.policies.h2svc.head_map import HeadProfile, save_head_map
 from hermes.stream import HermesStream
-from hermes.testing import tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl
+from scaffolding.tokenizer import tiny_tokenizer
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig, default_head_map
 from tests.hermes.policies.h2svc.checks import MIXED_MAP, chunk
 from tests.hermes.stream.policies import POLICIES, assert_same_stream

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hermes.testing import tiny_llava_ov
+from scaffolding.models import tiny_llava_ov
 from hermes_kernels.policies.h2svc.config import H2SVCConfig, class_counts
 from hermes.policies.h2svc.head_map import load_head_map, save_head_map
 from hermes.policies.h2svc import profile as profiler

@@ -13,8 +13,8 @@ The step runs on both backends ("triton": the interpreter on CPU; a few small ru
 import pytest
 import torch
 
-from hermes.testing import live_tensors
-from hermes.testing import tiny_llava_ov
+from scaffolding.census import live_tensors
+from scaffolding.models import tiny_llava_ov
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from hermes_kernels.policies.h2svc import reference as ref
 from tests.hermes.policies.h2svc.checks import (INTERLEAVED_MAP, chunk, h2svc_stream, masked_reference_logits,

@@ -16,7 +16,9 @@ from hermes.attention import HERMES_ATTENTION, patch_model
 from hermes.cache import claim_update
 from hermes.policies.hermes.cache import HermesCache
 from hermes.policies.hermes.guidance import GLOBAL, LOCAL, GuidancePlan, guidance_prompts
-from hermes.testing import llava_pixels, qwen_pixels, tiny_llava_ov, tiny_qwen2_5_vl, tiny_tokenizer
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl
+from scaffolding.pixels import llava_pixels, qwen_pixels
+from scaffolding.tokenizer import tiny_tokenizer
 from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import RotaryLayout
 from tests.utils import INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, poison_

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from hermes.attention import attention_implementation
 from hermes.policies.hermes.guidance import GuidancePlan
 from hermes.stream import HermesStream
-from hermes.testing import live_tensors
+from scaffolding.census import live_tensors
 from hermes_kernels.policies.hermes.config import DEEP
 from tests.hermes.stream.policies import POLICIES, assert_same_stream, assert_state, fault
 from tests.hermes.streams import (CASES, QUESTION, make_stream, reference_greedy, reference_logits,

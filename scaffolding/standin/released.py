@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..caches import read_layers, write_layers
+from hermes_kernels.compat.caches import read_layers, write_layers
 from .language_model import rope_tables, rotate_half
 
 # our own wording of a local and a global guidance prompt (the released texts are the instance's business)

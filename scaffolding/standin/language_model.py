@@ -1,4 +1,4 @@
-"""The language model and tokenizer a stand-in instance holds (standin/released.py), so that it runs without
+"""The language model and tokenizer a stand-in instance holds (scaffolding/standin/released.py), so that it runs without
 transformers: a tiny random decoder (`TinyLanguageModel`: the few attributes the released code reads, a causal
 forward with `output_attentions` / `output_hidden_states`; `TinyCausalLM` nests it as LLaVA-OV's language model
 does), its rotary tables (`rope_tables`, `rotate_half`), and a deterministic tokenizer (`TinyTokenizer`).
@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..caches import read_layers
+from hermes_kernels.compat.caches import read_layers
 
 
 class TinyTokenizer:

@@ -1,0 +1,68 @@
+"""Save a tiny random checkpoint folder that `from_pretrained` and the `hermes` / `hermes-profile` commands load
+(docs/testing.md#scaffolding). From a checkout, for a dry run of the commands without downloading a model:
+
+    python -m scaffolding.checkpoint tiny-qwen2_5_vl --model-type qwen2_5_vl
+    hermes --model tiny-qwen2_5_vl --video clip.mp4 --question "what is the person holding ?" --budget 32
+
+The answers are word salad (random weights); the run exercises loading, decoding, streaming and compression.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_vl
+from scaffolding.processors import tiny_image_processor, tiny_video_processor_config
+from scaffolding.tokenizer import tiny_tokenizer
+
+BUILDERS = {"llava_onevision": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl}
+
+
+def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int = 0) -> str:
+    """Save a tiny model with its tokenizer and processor configs into `folder`, loadable with from_pretrained
+    (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, AutoImageProcessor, and AutoProcessor where
+    torchvision imports). Returns the folder.
+
+    Written: the model (config.json, weights), the tokenizer, preprocessor_config.json (image processor),
+    video_preprocessor_config.json and processor_config.json. The last two are written as JSON because
+    transformers' video processors (and the processors holding one) cannot be built without torchvision.
+    """
+    folder = os.fspath(folder)
+    if model_type not in BUILDERS:
+        raise ValueError(f"model_type: expected one of {sorted(BUILDERS)}, got {model_type!r}")
+    BUILDERS[model_type](seed=seed).save_pretrained(folder)
+    tiny_tokenizer(digits=model_type == "qwen3_vl").save_pretrained(folder)
+    tiny_image_processor(model_type).save_pretrained(folder)
+    if model_type == "llava_onevision":
+        processor = {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 64,
+                     "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}
+    else:
+        processor = {"processor_class": "Qwen2_5_VLProcessor" if model_type == "qwen2_5_vl" else "Qwen3VLProcessor"}
+    for name, content in (("video_preprocessor_config.json", tiny_video_processor_config(model_type)),
+                          ("processor_config.json", processor)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> str:
+    """`python -m scaffolding.checkpoint OUT --model-type TYPE [--seed N]`; refuses a folder that holds files
+    before anything is written. Returns the folder."""
+    p = argparse.ArgumentParser(prog="python -m scaffolding.checkpoint",
+                                description="Save a tiny random-weight checkpoint (a dry run of the hermes command).")
+    p.add_argument("out", metavar="OUT", help="folder to write (created; must be empty if it exists)")
+    p.add_argument("--model-type", required=True, choices=sorted(BUILDERS))
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0, the tests' models)")
+    args = p.parse_args(argv)
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        p.error(f"OUT: {args.out} exists and is not empty")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"OUT: {args.out} exists and is not a folder")
+    folder = save_tiny_checkpoint(args.out, args.model_type, seed=args.seed)
+    print(f"saved a tiny {args.model_type} checkpoint to {folder}")
+    return folder
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Tiny random-weight LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL models built from configs (docs/testing.md#scaffolding).
+
+Nothing is downloaded. The models keep the real architectures (Qwen2 / Qwen2.5-VL / Qwen3-VL decoders with GQA,
+SigLIP / Qwen vision towers, Qwen3-VL's DeepStack mergers) at toy sizes so a forward takes milliseconds on CPU.
+Weights are drawn with a larger initializer range than the default 0.02 so attention is far from uniform and
+guidance scores are well separated (selection then does not hinge on rounding).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+
+from scaffolding.tokenizer import tiny_tokenizer
+
+
+def _text_config(vocab_size: int, num_layers: int, max_positions: int, num_heads: int = 4, num_kv_heads: int = 2,
+                 **extra) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
+                initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
+
+
+def tiny_llava_ov(seed: int = 0, num_layers: int = 4, max_positions: int = 4096, image_size: int = 16,
+                  patch_size: int = 2, dtype: torch.dtype = torch.float32, num_heads: int = 4,
+                  num_kv_heads: int = 2) -> LlavaOnevisionForConditionalGeneration:
+    """LLaVA-OV with a 1-layer SigLIP tower: (image_size / patch_size / 2)^2 tokens per frame (16 by default).
+    Head dim 16 whatever the head counts (Qwen2 decoders take an explicit head_dim), e.g. num_heads=8,
+    num_kv_heads=4 for layers with more KV heads than two."""
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    heads = {} if (num_heads, num_kv_heads) == (4, 2) else dict(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                                                 head_dim=16)
+    config = LlavaOnevisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=image_size, patch_size=patch_size),
+        text_config=dict(model_type="qwen2", **_text_config(len(tok), num_layers, max_positions, **heads)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), video_token_index=tok.convert_tokens_to_ids("<video>"),
+        vision_feature_layer=-1, vision_feature_select_strategy="full")
+    return LlavaOnevisionForConditionalGeneration(config).to(dtype).eval()
+
+
+def tiny_qwen2_5_vl(seed: int = 0, num_layers: int = 4, max_positions: int = 4096,
+                    dtype: torch.dtype = torch.float32) -> Qwen2_5_VLForConditionalGeneration:
+    """Qwen2.5-VL with a 1-block vision tower (patch 2, merge 2, temporal patch 2); head dim 16 with
+    mrope_section [2, 3, 3]. A 16 x 16 frame pair gives 4 x 4 merged tokens."""
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=2, spatial_merge_size=2, temporal_patch_size=2, window_size=8,
+                           fullatt_block_indexes=[0], in_channels=3, tokens_per_second=2),
+        text_config=_text_config(len(tok), num_layers, max_positions,
+                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                      mrope_section=[2, 3, 3])),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"))
+    return Qwen2_5_VLForConditionalGeneration(config).to(dtype).eval()
+
+
+def tiny_qwen3_vl(seed: int = 0, num_layers: int = 4, max_positions: int = 4096,
+                  dtype: torch.dtype = torch.float32) -> Qwen3VLForConditionalGeneration:
+    """Qwen3-VL with a 2-block vision tower (patch 2, merge 2, temporal patch 2) whose blocks 0 and 1 feed DeepStack
+    (added after decoder layers 0 and 1); head dim 16 with interleaved mrope_section [4, 2, 2] (pairs 1, 4 turn with
+    h, 2, 5 with w, the rest with t, like the released [24, 20, 20]). Its tokenizer is tiny_tokenizer(digits=True).
+    A 16 x 16 frame pair gives 4 x 4 merged tokens. The tower is drawn at the text's initializer range too, so the
+    DeepStack features are not negligible next to the hidden states."""
+    tok = tiny_tokenizer(digits=True)
+    torch.manual_seed(seed)
+    config = Qwen3VLConfig(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 1], initializer_range=0.2),
+        text_config=_text_config(len(tok), num_layers, max_positions, head_dim=16,
+                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2],
+                                                      mrope_interleaved=True)),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
+    return Qwen3VLForConditionalGeneration(config).to(dtype).eval()
