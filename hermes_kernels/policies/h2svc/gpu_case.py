@@ -29,7 +29,7 @@ class H2SVCCase:
     with a full memory (held = W frames in the home slots) and a just-prefilled chunk of F frames behind it, in one
     cache dtype, re-indexing on or off (the caller's decision for the step).
 
-    Blocks are laid out as the engine interface, docs/h2svc.md §7 and bench/stages.py's `ClassBlock` lay them out: keys
+    Blocks are laid out as the engine interface, docs/h2svc.md §7 and bench/inputs.py's `ClassBlock` lay them out: keys
     / values [H_c, B, C, D] with C = P + (W + F)·T_f, positions int64 [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE),
     slot_frames int64 [H_c, B, W], features float32 [H_c, B, W, D] (EPISODIC only). The stream has seen 2·N_e
     frames before the chunk, and a re-indexing step aligns to next_position = P + (largest window)·T_f, as the

@@ -219,7 +219,7 @@ def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 # Grid (H·B,): one program per row. It reads the row's W + F frame indices once and, per rescored frame, three
 # entries of the row's d2 matrix (L2-resident after the Gram matmul); it writes the `capacity` kept indices. F (the
 # chunk's frames) is a runtime value, not specialised: a ragged last chunk needs no new compile.
-# Compile spec (GPU guard): the H2SVC step's, `step._gpu_spec`, which launches it as a step does.
+# Compile spec (GPU guard): the H2SVC step's, `gpu_specs.step`, which launches it as a step does.
 @triton.jit(do_not_specialize=["F"])
 def _stce_kernel(d2_ptr, times_ptr, out_ptr, W, F, capacity,
                  BLOCK: tl.constexpr, BLOCK_CAP: tl.constexpr):

@@ -50,7 +50,6 @@ import triton.language as tl
 
 from ... import bindings, native, ranks, rows_native, rows_torch
 from ...dtypes import TRITON_WORK, work_dtype
-from ...gpu_specs import gpu_spec
 from ...launch import launch
 from ...rope import RotaryLayout
 from . import features as _features
@@ -58,7 +57,6 @@ from . import stce as _stce
 from .checks import check_arriving_features
 from .clock import StreamClock
 from .config import EPISODIC, H2SVCConfig
-from .gpu_case import H2SVCCase
 
 __all__ = ["h2svc_step_torch", "h2svc_step_triton", "plan_step", "RowWork", "fifo_keep_mask", "slot_plan"]
 
@@ -385,15 +383,3 @@ def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cl
                      _features.frame_features_triton, _stce.stce_select_triton)
     _move_rows_triton(keys, values, work, cfg, inv_freq, layout)
     return work.held
-
-
-@gpu_spec(_frame_move_kernel, _features._frame_features_kernel, _stce._stce_kernel, max_spill_bytes=0,
-          case=H2SVCCase)
-def _gpu_spec(case: H2SVCCase) -> None:
-    """The whole step of every class block, as a stream makes it: the plan's torch ops run on the meta tensors
-    too (they read nothing on the host), so the guard compiles the launches `h2svc_step_triton` itself makes: the
-    move of each block and, for the episodic block, the feature and STCE launches before it."""
-    for cls in case.classes:
-        block = case.block(cls)
-        h2svc_step_triton(block.keys, block.values, block.positions, block.slot_frames, case.cfg, cls,
-                          case.inv_freq(), case.rotary, case.clock(cls), block.features)

@@ -17,10 +17,8 @@ import triton.language as tl
 
 from ... import ranks, workspace
 from ...dtypes import TRITON_WORK, work_dtype
-from ...gpu_specs import gpu_spec
 from ...launch import launch
 from ...rope import RotaryLayout
-from .gpu_case import HermesCase
 from .config import DEEP, HermesConfig
 
 __all__ = ["compact_triton"]
@@ -377,11 +375,3 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
            layout.axis_tensor(device), budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
            summary_role, A=A, WORK=TRITON_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag
-
-
-@gpu_spec(_rank_kernel, _plan_kernel, _move_kernel, case=HermesCase, max_spill_bytes=0)
-def _gpu_spec(case: HermesCase) -> None:
-    """The step's compaction of the cache views, with the case's re-index trigger."""
-    keys, values, positions = case.cache()
-    compact_triton(keys, values, positions, case.keep(), case.cfg, case.inv_freq(), case.rotary, None,
-                   case.reindexed())
