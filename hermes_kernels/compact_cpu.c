@@ -1,12 +1,12 @@
 /* Stage 4 on CPU: the row work of the in-place compaction (docs/hermes.md §2.6-2.8) in one pass over the cache.
  *
- * Called by hermes_kernels/rows.py (`move_rows_native`: HERMES's `compact_torch` and H2SVC's step on CPU tensors) after
- * the caller has planned everything small in torch: each kept token's source slot and rotation-table rows, the deep
- * layers' pruned slots and their table rows. This file only moves rows. Worker t of T takes the (layer, stream, KV
- * head) rows t, t + T, ... and walks each row's tokens left to right, writing kept token i's key, rotated by its delta,
- * and its value to slot P + i. In place is sound because slot P + i never lies right of its source P + keep[i] (keep
- * ascending): every slot left of the source being read has already been read. Deep rows merge their pruned slots into
- * the same walk: values summed, keys rotated to the summary target and summed (double accumulators; the caller divides
+ * Called by hermes_kernels/rows_native.py (`move_rows_native`: HERMES's `compact_torch` and H2SVC's step on CPU
+ * tensors; through bindings.py, as every function here) after the caller has planned everything small in torch: each
+ * kept token's source slot and rotation-table rows, the deep layers' pruned slots and their table rows. This file
+ * only moves rows. Worker t of T takes the (layer, stream, KV head) rows t, t + T, ... and walks each row's tokens
+ * left to right, writing kept token i's key, rotated by its delta, and its value to slot P + i. In place is sound
+ * because slot P + i never lies right of its source P + keep[i] (keep ascending): every slot left of the source
+ * being read has already been read. Deep rows merge their pruned slots into the same walk: values summed, keys rotated to the summary target and summed (double accumulators; the caller divides
  * and writes the summary slot). Every cached row is read at most once and every kept row written once.
  *
  * Cache dtypes fp32 and bf16 (fp16 stays with the torch ops: its scalar conversions here did not vectorise and
@@ -268,7 +268,7 @@ int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const
 }
 
 /* Dense ranks by counting, for the position re-index of both policies' planning (`dense_rank_counting` in
- * rows.py, and H2SVC's `hermes_frame_reindex` below). Row r of values [rows, n]: rank[i] = the number of distinct
+ * ranks.py, and H2SVC's `hermes_frame_reindex` below). Row r of values [rows, n]: rank[i] = the number of distinct
  * valid values of the row below values[i] (0-based dense rank); an invalid lane (valid[i] == 0; valid NULL: all
  * valid) gets the row's distinct count, past every valid rank. Per row: min/max of the valid values, a presence
  * table over that span, an exclusive prefix count, one lookup per lane: linear in n + span. A row whose span exceeds

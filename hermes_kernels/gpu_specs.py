@@ -1,26 +1,12 @@
 """Compile specifications of the Triton kernels, for the GPU compile guard (`python -m bench.kernels`,
 tests/hermes_kernels/test_gpu_specs.py), which builds every kernel for sm_80 and sm_90 without a GPU.
 
-A spec lives beside its kernels (or beside the launcher that chains them: the H2SVC step's spec, in
-policies/h2svc/step.py, also covers the feature and STCE kernels the step launches): it names the kernels it covers, the
-spill bound the guard enforces on them, and a driver that calls the module's own launcher for one case: a `HermesCase`
-(the tensors one HERMES streaming compression step hands the kernels at one model shape and cache dtype) or an
-`H2SVCCase` (the class blocks one H2SVC step updates); each policy's case type lives in its folder (`gpu_case.py`).
-A driver is driven at every case of the type it is registered for:
-
-    @gpu_spec(_my_kernel, case=HermesCase, max_spill_bytes=0)
-    def _my_gpu_spec(case: HermesCase) -> None:
-        my_launcher(case.guidance_attn(), case.cfg)
-
-    @gpu_spec(_my_h2svc_kernel, case=H2SVCCase)
-    def _my_h2svc_gpu_spec(case: H2SVCCase) -> None:
-        for cls in case.classes:
-            my_h2svc_launcher(case.block(cls).keys, case.cfg.window(cls), ...)
-
-The guard runs every driver inside `launch.recording()` on meta tensors (no memory, no data), so the signatures,
-constexprs and block sizes it compiles are the ones the launchers really produce; nothing is written by hand that
-could drift from them. `jit_kernels()` lists every @triton.jit kernel of the package; one that no spec launches
-fails the guard's test, so a new kernel cannot go unguarded.
+A spec names the kernels it covers, the spill bound the guard enforces on them, and a driver that calls the
+policy's own launcher at one case: a `HermesCase` or an `H2SVCCase` (each policy's `gpu_case.py`). Drivers live in
+each policy folder's `gpu_specs.py`, apart from the kernels (an op's import never loads the guard's cases), and
+`registered_specs()` imports every such module. Drivers run inside `launch.recording()` on meta tensors, so what
+the guard compiles is what the launchers produce; `jit_kernels()` lists every @triton.jit kernel of the package, and
+one that no spec launches fails the guard's test. See docs/benchmarks.md#kernels.
 """
 from __future__ import annotations
 
@@ -82,9 +68,16 @@ def _package_modules() -> list:
                         for info in pkgutil.walk_packages(package.__path__, prefix=f"{__package__}.")]
 
 
+SPEC_MODULE = "gpu_specs"  # the name of a policy folder's module of specs
+
+
 def registered_specs() -> list[GpuSpec]:
-    """The specs of every module of the package."""
-    _package_modules()
+    """The specs of every `gpu_specs` module of the package's subpackages (imported here: no kernel module imports
+    them)."""
+    package = importlib.import_module(__package__)
+    for info in pkgutil.walk_packages(package.__path__, prefix=f"{__package__}."):
+        if info.name.rpartition(".")[2] == SPEC_MODULE and info.name != __name__:
+            importlib.import_module(info.name)
     return list(_SPECS)
 
 

@@ -182,6 +182,25 @@ def apply_rotary_delta(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Ten
     return out.to(x.dtype)
 
 
+def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- x rotated by the angles of cos/sin (rotate-half, §2.8) in out's dtype (the work dtype); returns out.
+
+    x [..., D] in the cache dtype (promoted exactly to the work dtype by the ops), cos/sin broadcastable to
+    [..., D/2]; out must not overlap x. Four passes over half rows, no temporaries: the in-place row movers'
+    rotation (`hermes_kernels.rows_torch`). `apply_rotary_delta` keeps its own two products and a difference: a
+    fused multiply-add (which `addcmul_` may be on a GPU) rounds once where it rounds twice, and the model glue and
+    the references rotate with it.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
+
+
 def compact_positions(positions: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """Left-compacted positions for retained visual tokens (appendix E, §2.7).
 

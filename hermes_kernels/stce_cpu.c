@@ -1,13 +1,13 @@
 /* H2SVC stage (b) on CPU: the sequential part of STCE (docs/h2svc.md §3) for every row in one call.
  *
- * Called by hermes_kernels/stce.py (`stce_select_torch` on CPU tensors) after the shared torch set-up
- * (`_trajectory`): per row, the frame index of each of its M = W + F lanes (held frames in temporal order, -1 past
- * the row's held count, then the F arrivals) and the squared distances d2 [M, M] of their features. This file runs
- * the same state machine as the torch twin's loop and the Triton program: a doubly linked list of the live lanes,
- * each arrival appended at the tail, its predecessor rescored, and while more than `capacity` frames live the
- * lowest score evicted (the first minimum in lane order, i.e. the older frame on ties; endpoints score +inf) and
- * its two neighbours rescored. A row costs O(F · M), microseconds, where the torch twin pays tens of tensor ops
- * per arrival.
+ * Called by hermes_kernels/policies/h2svc/stce.py (`stce_select_torch` on CPU tensors, through bindings.py) after the
+ * shared torch set-up (`_trajectory`): per row, the frame index of each of its M = W + F lanes (held frames in temporal
+ * order, -1 past the row's held count, then the F arrivals) and the squared distances d2 [M, M] of their features. This
+ * file runs the same state machine as the torch twin's loop and the Triton program: a doubly linked list of the live
+ * lanes, each arrival appended at the tail, its predecessor rescored, and while more than `capacity` frames live the
+ * lowest score evicted (the first minimum in lane order, i.e. the older frame on ties; endpoints score +inf) and its
+ * two neighbours rescored. A row costs O(F · M), microseconds, where the torch twin pays tens of tensor ops per
+ * arrival.
  *
  * Scores are computed in d2's dtype (float or double) with the torch twin's operations in its order — IEEE sqrt,
  * products, sums and one division, each rounded once (built with -ffp-contract=off) — and log(t_n - t_p) read

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 from hermes_kernels import gpu_specs
 from hermes_kernels.policies.h2svc.gpu_case import H2SVCCase
 from hermes_kernels.policies.hermes.gpu_case import HermesCase
+from hermes_kernels.policies.h2svc import gpu_specs as h2svc_specs
 from hermes_kernels.policies.h2svc import step as step_kernels
 from hermes_kernels.launch import launch, launch_count, recording
 from tests.utils import REPO
@@ -124,7 +126,7 @@ def test_h2svc_step_spec_launches_what_a_step_of_every_class_block_launches(rein
     """The step's spec drives `h2svc_step_triton` on each class block of LLaVA-OV-7B (full memories, 16 frames):
     features and STCE for the episodic block only, and one move per block with one work item per home slot when
     re-indexing (every retained key rotates) or one per overflow slot (the F arrivals) otherwise."""
-    spec = next(s for s in gpu_specs.registered_specs() if s.name == f"{step_kernels.__name__}._gpu_spec")
+    spec = next(s for s in gpu_specs.registered_specs() if s.name == f"{h2svc_specs.__name__}.step")
     case = next(c for c in guard_module.spec_cases(["llava-ov-7b"], ["fp16"], [1], ["h2svc"])
                 if c.chunk_frames == 16 and c.reindexing is reindex)
     with recording() as launches:
@@ -145,6 +147,29 @@ def test_h2svc_step_spec_launches_what_a_step_of_every_class_block_launches(rein
 
 
 # ---- the pieces ----------------------------------------------------------------------------------------------------
+
+# imports every module of hermes_kernels but the guard's (cases and specs), then prints the guard modules loaded
+IMPORT_ALL_BUT_THE_GUARD = textwrap.dedent("""
+    import importlib, pkgutil, sys
+    import hermes_kernels as hk
+    guard = ("gpu_case", "gpu_specs")
+    for info in pkgutil.walk_packages(hk.__path__, prefix="hermes_kernels."):
+        if info.name.rpartition(".")[2] not in guard:
+            importlib.import_module(info.name)
+    print(sorted(m for m in sys.modules if m.startswith("hermes_kernels.") and m.rpartition(".")[2] in guard))
+""")
+
+
+def test_the_guard_modules_load_only_with_the_guard():
+    """No op, kernel or config module imports a policy's compile-guard cases or specs (nor the registry): they load
+    when the guard asks `registered_specs()`, which finds every policy's `gpu_specs` module by name."""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_ALL_BUT_THE_GUARD], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    names = {spec.name.rpartition(".")[0] for spec in gpu_specs.registered_specs()}
+    assert names == {"hermes_kernels.policies.hermes.gpu_specs", "hermes_kernels.policies.h2svc.gpu_specs"}
+
 
 def test_occupancy_follows_the_calculator_rules():
     h100 = ptx.SM_MODELS[90]

@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,57 +22,14 @@ import hermes_kernels as hk
 from hermes.attention import causal_mask, flash_usable, grouped_mask, grouped_sdpa, model_attention, padded_mask
 from hermes_kernels.rope import apply_rotary_delta
 
-if TYPE_CHECKING:  # the cache imports this module for its `attend`
+if TYPE_CHECKING:  # the cache imports this module for its `attend`, and guidance imports the cache
     from .cache import HermesCache
+    from .guidance import GuidanceState
 
 
 class GuidanceDone(Exception):
     """Raised after the last layer that needs a guidance score: the rest of the forward (and the LM head)
     would only be thrown away."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GuidanceState:
-    """What the attention function needs during a guidance pass (set on `cache.guidance`).
-
-    stored:           the forward's leading tokens that are a chunk being stored (guidance fused into its
-                      prefill); 0 for a guidance pass on its own. The prompt tokens follow them.
-    segments:         per stream, the (start, end) range of each prompt among the prompt tokens (the forward's
-                      tokens after the `stored` ones); each prompt attends to the cache, the stored chunk and,
-                      causally, itself, never to another prompt. Slots past a stream's last prompt are padding.
-    segment_of_layer: per layer, the index of the prompt whose pooled attention it needs, or None.
-    last_layer:       the deepest layer that needs a score: a pass on its own stops after it; fused, the prompt
-                      rows are not computed from there on. Before it, a layer computes only the rows of prompts a
-                      deeper layer scores (`read_rows`).
-    backend:          `hermes_kernels` backend of the pooled attention ("auto" | "triton" | "torch").
-    """
-
-    stored: int
-    segments: tuple[tuple[tuple[int, int], ...], ...]
-    segment_of_layer: tuple[int | None, ...]
-    last_layer: int
-    backend: str = "auto"
-
-    def runs(self, segment: int) -> list[tuple[slice, int, int]]:
-        """(streams, start, end): runs of consecutive streams whose prompt `segment` has the same range, so that
-        each run's pooled attention is one call (one run when the streams' prompts tokenize alike)."""
-        runs: list[tuple[slice, int, int]] = []
-        for b, bounds in enumerate(self.segments):
-            lo, hi = bounds[segment]
-            if runs and runs[-1][1:] == (lo, hi):
-                runs[-1] = (slice(runs[-1][0].start, b + 1), lo, hi)
-            else:
-                runs.append((slice(b, b + 1), lo, hi))
-        return runs
-
-    def read_rows(self, layer: int) -> tuple[int, int] | None:
-        """(start, end) among the prompt tokens: the rows whose output at `layer` some deeper layer reads (the
-        span, over streams, of every prompt a deeper layer scores); None when no deeper layer scores one."""
-        later = {segment for segment in self.segment_of_layer[layer + 1:] if segment is not None}
-        if not later:
-            return None
-        bounds = [stream[segment] for stream in self.segments for segment in later]
-        return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
 
 
 def layer_attention(module: torch.nn.Module, cache: HermesCache, layer: int, query: torch.Tensor, key: torch.Tensor,

@@ -29,7 +29,7 @@ import torch
 from hermes.models import VideoChunk
 from hermes_kernels.policies.hermes.config import DEEP, MID, SHALLOW, HermesConfig
 
-from .attention import GuidanceDone, GuidanceState
+from .attention import GuidanceDone
 from .cache import HermesCache
 
 LOCAL = ("Describe the current scene in detail, focusing on specific objects, fine-grained actions, "
@@ -86,6 +86,50 @@ class GuidancePlan:
 def guidance_length(ids: list[list[list[int]]]) -> int:
     """Most tokens one stream's packed guidance prompts take (the room they need past the length)."""
     return max((sum(len(p) for p in stream) for stream in ids), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidanceState:
+    """What the attention function needs during a guidance pass (set on `cache.guidance`).
+
+    stored:           the forward's leading tokens that are a chunk being stored (guidance fused into its
+                      prefill); 0 for a guidance pass on its own. The prompt tokens follow them.
+    segments:         per stream, the (start, end) range of each prompt among the prompt tokens (the forward's
+                      tokens after the `stored` ones); each prompt attends to the cache, the stored chunk and,
+                      causally, itself, never to another prompt. Slots past a stream's last prompt are padding.
+    segment_of_layer: per layer, the index of the prompt whose pooled attention it needs, or None.
+    last_layer:       the deepest layer that needs a score: a pass on its own stops after it; fused, the prompt
+                      rows are not computed from there on. Before it, a layer computes only the rows of prompts a
+                      deeper layer scores (`read_rows`).
+    backend:          `hermes_kernels` backend of the pooled attention ("auto" | "triton" | "torch").
+    """
+
+    stored: int
+    segments: tuple[tuple[tuple[int, int], ...], ...]
+    segment_of_layer: tuple[int | None, ...]
+    last_layer: int
+    backend: str = "auto"
+
+    def runs(self, segment: int) -> list[tuple[slice, int, int]]:
+        """(streams, start, end): runs of consecutive streams whose prompt `segment` has the same range, so that
+        each run's pooled attention is one call (one run when the streams' prompts tokenize alike)."""
+        runs: list[tuple[slice, int, int]] = []
+        for b, bounds in enumerate(self.segments):
+            lo, hi = bounds[segment]
+            if runs and runs[-1][1:] == (lo, hi):
+                runs[-1] = (slice(runs[-1][0].start, b + 1), lo, hi)
+            else:
+                runs.append((slice(b, b + 1), lo, hi))
+        return runs
+
+    def read_rows(self, layer: int) -> tuple[int, int] | None:
+        """(start, end) among the prompt tokens: the rows whose output at `layer` some deeper layer reads (the
+        span, over streams, of every prompt a deeper layer scores); None when no deeper layer scores one."""
+        later = {segment for segment in self.segment_of_layer[layer + 1:] if segment is not None}
+        if not later:
+            return None
+        bounds = [stream[segment] for stream in self.segments for segment in later]
+        return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
 
 
 def run_guidance(language_model: torch.nn.Module, cache: HermesCache, plan: GuidancePlan,

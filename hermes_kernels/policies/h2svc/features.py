@@ -38,7 +38,7 @@ def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 # Grid (H·B·F, cdiv(D, BLOCK_D)): a program reads its frame's T_f value rows in [BLOCK_T, BLOCK_D] tiles, contiguous
 # along the channels, once each, and writes one [BLOCK_D] slice of the frame's mean. B and F (streams, frames of the
 # chunk) are runtime values, not specialised: a ragged last chunk or another stream count needs no new compile.
-# Compile spec (GPU guard): the H2SVC step's, `step._gpu_spec`, which launches it as a step does.
+# Compile spec (GPU guard): the H2SVC step's, `gpu_specs.step`, which launches it as a step does.
 @triton.jit(do_not_specialize=["B", "F"])
 def _frame_features_kernel(v_ptr, out_ptr, sv_h, sv_b, sv_n, sv_d, so_h, so_b, so_f, so_d,
                            B, F, T, D,

@@ -27,13 +27,11 @@ as the contract states). Lane order is temporal order, so "ties evict the older 
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import triton
 import triton.language as tl
 
-from ... import native
+from ... import bindings, native
 from ...launch import launch
 
 __all__ = ["stce_select_torch", "stce_select_triton"]
@@ -102,9 +100,9 @@ def stce_select_torch(features: torch.Tensor, slot_frames: torch.Tensor, arrivin
     H, B, W, _ = features.shape
     F = arriving.shape[2]
     times, d2 = _trajectory(features, slot_frames, arriving, first_frame)
-    lib = native.library("stce_cpu") if times.device.type == "cpu" else None
-    if lib is not None and W + F <= _MAX_LANES and first_frame + F <= _MAX_LOG_TABLE:
-        return _select_rows_native(lib, times, d2, W, first_frame + F, capacity).view(H, B, capacity)
+    in_c = times.device.type == "cpu" and native.library("stce_cpu") is not None
+    if in_c and W + F <= _MAX_LANES and first_frame + F <= _MAX_LOG_TABLE:
+        return _select_rows_native(times, d2, W, first_frame + F, capacity).view(H, B, capacity)
     R, M = times.shape
     NONE, TRASH, lanes = M, M + 1, M + 2
     device = times.device
@@ -157,25 +155,17 @@ def stce_select_torch(features: torch.Tensor, slot_frames: torch.Tensor, arrivin
     return kept[:, :capacity].reshape(H, B, capacity)
 
 
-def _select_rows_native(lib, times: torch.Tensor, d2: torch.Tensor, W: int, gaps: int, capacity: int) -> torch.Tensor:
+def _select_rows_native(times: torch.Tensor, d2: torch.Tensor, W: int, gaps: int, capacity: int) -> torch.Tensor:
     """The arrival loop of every row in one call of stce_cpu.c (CPU tensors): kept int64 [R, capacity].
 
     times int64 [R, M] and d2 [R, M, M] from `_trajectory`; `gaps` bounds every t_n - t_p a row can meet (the
     newest arrival's frame + 1: held frames are older and >= 0). log(gap) comes from a torch-computed table, so
     the C scores are the torch twin's bit for bit.
     """
-    R, M = times.shape
     times, d2 = times.contiguous(), d2.contiguous()
     log_gap = torch.arange(gaps, dtype=torch.int64).to(d2.dtype).log()
-    kept = _output((R, capacity), torch.int64, times.device)
-    ptr = ctypes.c_void_p
-    status = lib.hermes_stce_rows(ptr(times.data_ptr()), ptr(d2.data_ptr()), ctypes.c_int(d2.dtype == torch.float64),
-                                  ptr(log_gap.data_ptr()), ctypes.c_int64(log_gap.numel()), ctypes.c_int64(R),
-                                  ctypes.c_int64(M), ctypes.c_int64(W), ctypes.c_int64(capacity),
-                                  ptr(kept.data_ptr()))
-    if status != 0:
-        raise RuntimeError(f"stce_cpu.c: hermes_stce_rows returned {status} (1: {M} lanes, over its limit; 2: the "
-                           f"log(gap) table of {gaps} entries is shorter than the newest frame index + 1)")
+    kept = _output((times.shape[0], capacity), torch.int64, times.device)
+    bindings.stce_rows(times, d2, log_gap, W, capacity, kept)
     return kept
 
 
@@ -229,7 +219,7 @@ def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 # Grid (H·B,): one program per row. It reads the row's W + F frame indices once and, per rescored frame, three
 # entries of the row's d2 matrix (L2-resident after the Gram matmul); it writes the `capacity` kept indices. F (the
 # chunk's frames) is a runtime value, not specialised: a ragged last chunk needs no new compile.
-# Compile spec (GPU guard): the H2SVC step's, `step._gpu_spec`, which launches it as a step does.
+# Compile spec (GPU guard): the H2SVC step's, `gpu_specs.step`, which launches it as a step does.
 @triton.jit(do_not_specialize=["F"])
 def _stce_kernel(d2_ptr, times_ptr, out_ptr, W, F, capacity,
                  BLOCK: tl.constexpr, BLOCK_CAP: tl.constexpr):

@@ -28,10 +28,10 @@ work is what the backends differ in:
   h2svc_step_triton — ONE move launch (grid: rows·streams·work items × token tiles) after the feature and STCE
       launches of an EPISODIC block;
   h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
-      `rows.move_rows_native`, moved rows written with streaming stores): every row walked once, left to right,
-      in place; otherwise (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the "torch-ops"
-      path) torch ops over all rows at once: one indexed copy of the movers' frames, or compaction's tiled
-      rotation (`rows.move_rows_torch`).
+      `rows_native.move_rows_native`, moved rows written with streaming stores): every row walked once, left to
+      right, in place; otherwise (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the
+      "torch-ops" path) torch ops over all rows at once: one indexed copy of the movers' frames, or compaction's
+      tiled rotation (`rows_torch.move_rows_torch`).
 Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
   no re-index:   the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
       their positions; nothing else in the cache is touched;
@@ -41,7 +41,6 @@ In place is safe: a work item reads only its own slot or an overflow slot, and n
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from typing import Sequence
 
@@ -49,9 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import native, rows
+from ... import bindings, native, ranks, rows_native, rows_torch
 from ...dtypes import TRITON_WORK, work_dtype
-from ...gpu_specs import gpu_spec
 from ...launch import launch
 from ...rope import RotaryLayout
 from . import features as _features
@@ -59,7 +57,6 @@ from . import stce as _stce
 from .checks import check_arriving_features
 from .clock import StreamClock
 from .config import EPISODIC, H2SVCConfig
-from .gpu_case import H2SVCCase
 
 __all__ = ["h2svc_step_torch", "h2svc_step_triton", "plan_step", "RowWork", "fifo_keep_mask", "slot_plan"]
 
@@ -133,7 +130,7 @@ def _right_aligned(old: torch.Tensor, next_position: int) -> torch.Tensor:
     row (over all axes) is next_position - 1. Ranks: compaction's counting rank on CPU (it reads value spans on
     the host, free for CPU tensors), its sort rank elsewhere (no host sync).
     """
-    dense_rank = rows.dense_rank_counting if old.device.type == "cpu" else rows.dense_rank
+    dense_rank = ranks.dense_rank_counting if old.device.type == "cpu" else ranks.dense_rank
     rank = dense_rank(old, torch.ones(1, dtype=torch.bool, device=old.device))
     extent = rank.amax(dim=-1).amax(dim=-1) + 1  # E: the largest number of distinct values over the axes
     return rank + (next_position - extent).view(*extent.shape, 1, 1)
@@ -143,28 +140,17 @@ def _reindex_native(pos: torch.Tensor, source: torch.Tensor, prefix_len: int, to
                     next_position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(new, delta) of step 4 in one call of compact_cpu.c's `hermes_frame_reindex`: the gather of the old
     positions, the per-axis counting ranks and the right alignment, one pass per (row, stream) instead of about ten
-    torch passes over int64 [H_c, B, A, held'·T_f] (at the 7B episodic block those cost ~15 ms of the step).
-    None when it cannot run (not CPU, no library, a row's span too wide to count: the caller's torch ops decide).
-    Reads pos [H_c, B, A, C] only."""
-    lib = native.library("compact_cpu") if pos.device.type == "cpu" else None
-    if lib is None:
+    torch passes over int64 [H_c, B, A, held'·T_f]. None when it cannot run (not CPU, no library, a row's span too
+    wide to count: the caller's torch ops decide). Reads pos [H_c, B, A, C] only."""
+    if pos.device.type != "cpu" or native.library("compact_cpu") is None:
         return None
     H, B, A, _ = pos.shape
     n = source.shape[-1] * tokens_per_frame
-    source = source.contiguous()
     new = torch.empty((H, B, A, n), dtype=torch.int64)
     delta = torch.empty_like(new)
-    stride = torch.tensor(pos.stride(), dtype=torch.int64)
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    status = lib.hermes_frame_reindex(ptr(pos.data_ptr()), ptr(stride.data_ptr()), i64(H), i64(B), i64(A),
-                                      ptr(source.data_ptr()), i64(source.shape[-1]), i64(prefix_len),
-                                      i64(tokens_per_frame), i64(next_position), i64(rows.counting_span_limit(n)),
-                                      ptr(new.data_ptr()), ptr(delta.data_ptr()), ctypes.c_int(torch.get_num_threads()))
-    if status == 3:
+    if not bindings.frame_reindex(pos, source.contiguous(), prefix_len, tokens_per_frame, next_position,
+                                  ranks.counting_span_limit(n), new, delta):
         return None
-    if status != 0:
-        raise RuntimeError(f"compact_cpu.c: hermes_frame_reindex returned {status} (2: a worker thread failed or a "
-                           "presence table could not be allocated)")
     return new, delta
 
 
@@ -252,11 +238,12 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, la
         return
     k5, v5 = keys.unsqueeze(2), values.unsqueeze(2)  # compaction's movers take [L, B, Hkv, N, D]
     home_tokens = _tokens(work.source, P, T)  # the C walk and the tiled rotation write list entry i to slot P + i
-    if rows.use_native(None, k5, v5):
+    if rows_native.use_native(None, k5, v5):
         # without re-indexing (delta None) the walk skips every token that stays and copies the movers exactly
-        rows.move_rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, layout, stream=True)
+        rows_native.move_rows_native(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, layout,
+                                     stream=True)
     elif work.delta is not None:
-        rows.move_rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, layout)
+        rows_torch.move_rows_torch(k5, v5, P, home_tokens, work.delta, H, None, None, inv_freq, layout)
     else:
         # whole frames move: index the [H_c, B, frame slot] dims of a [H_c, B, S, T_f, D] view, so each mover is
         # one block copy; evicted overflow frames are copied onto themselves (a no-op that keeps it one index op)
@@ -396,15 +383,3 @@ def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cl
                      _features.frame_features_triton, _stce.stce_select_triton)
     _move_rows_triton(keys, values, work, cfg, inv_freq, layout)
     return work.held
-
-
-@gpu_spec(_frame_move_kernel, _features._frame_features_kernel, _stce._stce_kernel, max_spill_bytes=0,
-          case=H2SVCCase)
-def _gpu_spec(case: H2SVCCase) -> None:
-    """The whole step of every class block, as a stream makes it: the plan's torch ops run on the meta tensors
-    too (they read nothing on the host), so the guard compiles the launches `h2svc_step_triton` itself makes: the
-    move of each block and, for the episodic block, the feature and STCE launches before it."""
-    for cls in case.classes:
-        block = case.block(cls)
-        h2svc_step_triton(block.keys, block.values, block.positions, block.slot_frames, case.cfg, cls,
-                          case.inv_freq(), case.rotary, case.clock(cls), block.features)

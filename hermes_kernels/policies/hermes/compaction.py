@@ -28,11 +28,12 @@ Two implementations of one contract: this file's torch twin and the Triton kerne
       that walks the tokens left to right and moves/rotates K/V rows and accumulates the summary in registers.
   compact_torch  — the CPU path. The planning (new positions, deltas, pruned slots, summary targets) is torch ops
       over all layers and streams at once; the row work then takes one of two movers:
-      rows.move_rows_native — fp32/bf16 caches on CPU: one call of a C kernel (compact_cpu.c, built on first use by
-          `hermes_kernels.native`) that walks every (layer, stream, head) row left to right in place, like the
-          Triton move kernel, reading each row once and writing each kept row once;
-      rows.move_rows_torch  — everything else (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0):
-          torch ops over all rows at once, looping only over L2-sized token tiles left to right.
+      rows_native.move_rows_native — fp32/bf16 caches on CPU: one call of a C kernel (compact_cpu.c, built on
+          first use by `hermes_kernels.native`) that walks every (layer, stream, head) row left to right in place,
+          like the Triton move kernel, reading each row once and writing each kept row once;
+      rows_torch.move_rows_torch   — everything else (fp16, fp64, CUDA tensors, no C compiler,
+          HERMES_KERNELS_NATIVE=0): torch ops over all rows at once, looping only over L2-sized token tiles left
+          to right.
       Why two: any torch-ops mover stages the rows through a gather buffer and writes them out again; at the
       LLaVA-OV-7B shape on a 2-core CPU the tiled gather and write-back of K and V alone, without any rotation,
       took 49 ms, more than the whole C walk with rotation and summary (about 40 ms). Neither path has a Python
@@ -48,7 +49,7 @@ from typing import Sequence
 
 import torch
 
-from ... import rows
+from ... import ranks, rows_native, rows_torch
 from ...rope import RotaryLayout
 from .config import HermesConfig
 
@@ -98,10 +99,10 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
     layers: the config's layers the tensors hold (L = len(layers); default all); reindexed: 0-dim bool on the
     cache's device that overrides the config's decision (default: `decide_reindex` of these positions).
-    native: which mover does the row work: None (default) = the C kernel (`rows.move_rows_native`) whenever it
-    applies (CPU fp32/bf16 cache with contiguous rows, library built, not switched off by HERMES_KERNELS_NATIVE=0),
-    else the torch ops (`rows.move_rows_torch`); False = the torch ops; True = the C kernel, or a RuntimeError
-    saying why it cannot.
+    native: which mover does the row work: None (default) = the C kernel (`rows_native.move_rows_native`) whenever
+    it applies (CPU fp32/bf16 cache with contiguous rows, library built, not switched off by
+    HERMES_KERNELS_NATIVE=0), else the torch ops (`rows_torch.move_rows_torch`); False = the torch ops; True = the C
+    kernel, or a RuntimeError saying why it cannot.
     Returns (P + min(budget, V), the flag used).
 
     Small work first, in torch ops over all layers and streams: new positions, deltas, the deep layers' pruned
@@ -110,7 +111,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     L, B, Hkv, N, D = keys.shape
     P, V, n = cfg.prefix_len, N - cfg.prefix_len, keep.shape[-1]
     layers = range(L) if layers is None else layers
-    in_c = rows.use_native(native, keys, values)  # the CPU C walk, with the counting dense rank of CPU tensors
+    in_c = rows_native.use_native(native, keys, values)  # the CPU C walk, with the counting dense rank of CPU tensors
     flag = decide_reindex([positions], cfg, keys.device) if reindexed is None else reindexed
     layout = RotaryLayout.of(rotary, D // 2)
     pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [L, B, A, N] view
@@ -120,7 +121,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     valid = (keep >= 0).unsqueeze(2)
     src = keep.clamp(min=0) + P
     old = pos.gather(3, src.unsqueeze(2).expand(L, B, A, n))
-    rank = (rows.dense_rank_counting if in_c else rows.dense_rank)(old, valid)
+    rank = (ranks.dense_rank_counting if in_c else ranks.dense_rank)(old, valid)
     new = torch.where(flag & valid, P + rank, old)
     delta = new - old
 
@@ -129,7 +130,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     pruned = to_target = target = None
     if pruned_deep:
         Ld = L - first
-        newest = new.masked_fill(~valid, -rows.BIG).amax(dim=(2, 3))  # [L, B]
+        newest = new.masked_fill(~valid, -ranks.BIG).amax(dim=(2, 3))  # [L, B]
         if P:
             newest = torch.maximum(newest, pos[..., :P].amax(dim=(2, 3)))
         target = newest[first:] + 1  # t, the same on every axis
@@ -139,7 +140,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
         old_pruned = pos[first:].gather(3, pruned.unsqueeze(2).expand(Ld, B, A, pruned_deep))
         to_target = target.view(Ld, B, 1, 1) - old_pruned
 
-    mover = rows.move_rows_native if in_c else rows.move_rows_torch
+    mover = rows_native.move_rows_native if in_c else rows_torch.move_rows_torch
     sums = mover(keys, values, P, torch.where(valid.squeeze(2), src, -1), delta, first, pruned, to_target,
                 inv_freq, layout)
     pos[..., P:P + n] = new

@@ -15,12 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import rows
+from ... import ranks, workspace
 from ...dtypes import TRITON_WORK, work_dtype
-from ...gpu_specs import gpu_spec
 from ...launch import launch
 from ...rope import RotaryLayout
-from .gpu_case import HermesCase
 from .config import DEEP, HermesConfig
 
 __all__ = ["compact_triton"]
@@ -35,7 +33,7 @@ _CHUNK = 1024
 _RANK_CHUNK = 512
 _RADIX_BITS = 4
 _RANK_WARPS = 16
-_BIG_C = tl.constexpr(rows.BIG)
+_BIG_C = tl.constexpr(ranks.BIG)
 
 
 @triton.jit
@@ -355,16 +353,16 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     role = per_layer.role[layers.start:layers.stop]
     inv = inv_freq.to(device=device, dtype=work)
 
-    cand = rows.scratch((L, B, A, n), torch.int64, device)  # P + dense rank of every kept token, keep order
-    rowmax = rows.scratch((L * B * A,), torch.int64, device)  # largest position of every axis row (lazy trigger)
-    dest = rows.scratch((L, B, V), torch.int32, device)  # slot of every visual token among the kept, or -1
-    delta = rows.scratch((L, B, A, V), torch.int64, device)  # rotation delta of every token that is read
-    flag = rows.scratch((), torch.bool, device) if reindexed is None else reindexed
+    cand = workspace.scratch((L, B, A, n), torch.int64, device)  # P + dense rank of every kept token, keep order
+    rowmax = workspace.scratch((L * B * A,), torch.int64, device)  # largest position of every axis row (lazy trigger)
+    dest = workspace.scratch((L, B, V), torch.int32, device)  # slot of every visual token among the kept, or -1
+    delta = workspace.scratch((L, B, A, V), torch.int64, device)  # rotation delta of every token that is read
+    flag = workspace.scratch((), torch.bool, device) if reindexed is None else reindexed
     trigger = cfg.reindex if reindexed is None else "given"
     summary_role = DEEP if cfg.summary else -1  # layers of this role fold their pruned tokens (Alg. 1)
     chunk = min(_CHUNK, triton.next_power_of_2(max(N, L * B * A)))
     rank_chunk = min(_RANK_CHUNK, chunk)
-    sort = rows.scratch((L * B * A, 2, n), torch.int64, device)  # the rank kernel's radix-sort buffers
+    sort = workspace.scratch((L * B * A, 2, n), torch.int64, device)  # the rank kernel's radix-sort buffers
 
     launch(_rank_kernel, (L * B * A,), pos, keep, cand, rowmax, budget, sort,
            *pos.stride(), *keep.stride(), B, N, P, V, n, max(1, (n - 1).bit_length()),
@@ -377,11 +375,3 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
            layout.axis_tensor(device), budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
            summary_role, A=A, WORK=TRITON_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag
-
-
-@gpu_spec(_rank_kernel, _plan_kernel, _move_kernel, case=HermesCase, max_spill_bytes=0)
-def _gpu_spec(case: HermesCase) -> None:
-    """The step's compaction of the cache views, with the case's re-index trigger."""
-    keys, values, positions = case.cache()
-    compact_triton(keys, values, positions, case.keep(), case.cfg, case.inv_freq(), case.rotary, None,
-                   case.reindexed())

@@ -18,9 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_specs import gpu_spec
 from ...launch import launch
-from .gpu_case import HermesCase
 
 _LOG2E = 1.4426950408889634
 # the torch twin holds at most this many logits (and as many softmax outputs, and upcast keys) per chunk: 16 MiB in
@@ -170,13 +168,6 @@ def pooled_attention_triton(q: torch.Tensor, k: torch.Tensor, scale: float | Non
     launch(_pooled_kernel, (L * B, triton.cdiv(N, block_n)), q5, k5, lse, out5,
            B, Hkv, G, Q, N, D, qk_scale, 1.0 / (H * Q), *q5.stride(), *k5.stride(), *out5.stride(), **meta)
     return out5 if q.dim() == 5 else out5[0]
-
-
-@gpu_spec(_row_lse_kernel, _pooled_kernel, case=HermesCase, max_spill_bytes=0)
-def _gpu_spec(case: HermesCase) -> None:
-    """Each guidance prompt's pooling over one layer of the cache, as `hermes.attention` calls it."""
-    for q_len in case.guidance_tokens:
-        pooled_attention_triton(*case.guidance(q_len), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

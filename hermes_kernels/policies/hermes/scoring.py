@@ -21,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_specs import gpu_spec
 from ...launch import launch
-from .gpu_case import HermesCase
 from .config import HermesConfig
 
 
@@ -170,9 +168,3 @@ def hermes_scores_triton(attn: torch.Tensor, cfg: HermesConfig, out: torch.Tenso
     launch(_hermes_scores_kernel, grid, attn, out, params, L, V, *attn.stride(), *out.stride(),
            CASCADE=cfg.cascade, BLOCK_V=block_v)
     return out
-
-
-@gpu_spec(_hermes_scores_kernel, case=HermesCase, max_spill_bytes=0)
-def _gpu_spec(case: HermesCase) -> None:
-    """The step's scoring launch on the cache's pooled-attention view."""
-    hermes_scores_triton(case.guidance_attn(), case.cfg)

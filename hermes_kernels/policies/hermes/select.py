@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_specs import gpu_spec
 from ...launch import launch
-from .gpu_case import HermesCase
 from .config import HermesConfig
 
 # digits of the threshold decided per sweep of a row: 32/4 = 8 sweeps for fp32 keys, 16 for fp64
@@ -190,10 +188,3 @@ def select_keep_triton(scores: torch.Tensor, cfg: HermesConfig, out: torch.Tenso
            KEY_BITS=8 * scores.element_size(), RADIX_BITS=_RADIX_BITS, NUM_DIGITS=2 ** _RADIX_BITS,
            WRITE_DEST=with_destination, BLOCK_V=block_v, num_warps=8)
     return (out, dest_out) if with_destination else out
-
-
-@gpu_spec(_select_keep_kernel, case=HermesCase, max_spill_bytes=0)
-def _gpu_spec(case: HermesCase) -> None:
-    """The step's selection launch (keep only), and the variant that also writes the destination map."""
-    select_keep_triton(case.scores(), case.cfg)
-    select_keep_triton(case.scores(), case.cfg, with_destination=True)

@@ -130,7 +130,7 @@ def test_prompt_rows_are_computed_only_while_a_deeper_layer_scores_them():
     (layer 1 scores the mixed prompt, layers 2-3 the global one), layer 0 runs both prompts, layers 1-2 the global
     one only. The guidance tests against eager attention (tests/hermes/streams.py) check that no needed row is
     dropped."""
-    from hermes.policies.hermes.attention import GuidanceState
+    from hermes.policies.hermes.guidance import GuidanceState
     segments = (((0, 42), (42, 62)), ((0, 40), (40, 58)))  # the second stream's prompts tokenize shorter
     state = GuidanceState(stored=32, segments=segments, segment_of_layer=(None, 0, 1, 1), last_layer=3)
     assert [state.read_rows(layer) for layer in range(4)] == [(0, 62), (40, 62), (40, 62), None]

@@ -325,10 +325,9 @@ def test_c_loop_refuses_a_log_table_shorter_than_the_frames():
     frames = torch.arange(W).repeat(H, B, 1)
     features, arriving = torch.randn(H, B, W, 8, generator=g), torch.randn(H, B, F, 8, generator=g)
     times, d2 = stce_module._trajectory(features, frames, arriving, first_frame)
-    lib = native.library("stce_cpu")
     newest = first_frame + F - 1
     with pytest.raises(RuntimeError, match="log.*table of 8 entries"):
-        stce_module._select_rows_native(lib, times, d2, W, newest, W)
-    kept = stce_module._select_rows_native(lib, times, d2, W, newest + 1, W)
+        stce_module._select_rows_native(times, d2, W, newest, W)
+    kept = stce_module._select_rows_native(times, d2, W, newest + 1, W)
     assert torch.equal(kept.view(H, B, W), stce_module.stce_select_torch(features, frames, arriving, first_frame, W))
 

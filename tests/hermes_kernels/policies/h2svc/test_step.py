@@ -21,7 +21,7 @@ import torch
 import hermes_kernels as hk
 from hermes_kernels import StreamClock, native
 from hermes_kernels.policies.h2svc import step as step_kernels
-from hermes_kernels.rows import dense_rank
+from hermes_kernels.ranks import dense_rank
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes_kernels.policies.h2svc import reference as ref
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta

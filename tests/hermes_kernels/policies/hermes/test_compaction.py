@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hermes_kernels as hk
-from hermes_kernels import native, rows
+from hermes_kernels import bindings, native, ranks, rows_native, rows_torch, workspace
 from hermes_kernels.policies.hermes import compaction as compact_module
 from hermes_kernels.policies.hermes import compaction_triton
 from hermes_kernels import HermesConfig
@@ -96,7 +96,7 @@ def poisoned_scratch(monkeypatch):
         if dtype.is_floating_point:
             return out.fill_(float("nan"))
         return out.fill_(True if dtype == torch.bool else torch.iinfo(dtype).min)
-    monkeypatch.setattr(rows, "scratch", scratch)
+    monkeypatch.setattr(workspace, "scratch", scratch)
 
 
 def make_config(case: Case) -> tuple[HermesConfig, int]:
@@ -236,7 +236,7 @@ def test_lazy_threshold_is_strict(section, backend):
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_many_tiles_move_left_to_right(backend, monkeypatch):
     """Tiles far smaller than the cache: in-place safety across tile and chunk boundaries."""
-    monkeypatch.setattr(rows, "TILE_ELEMENTS", 3 * 256)  # torch: 3 tokens per tile (L·B·Hkv·D = 256)
+    monkeypatch.setattr(rows_torch, "TILE_ELEMENTS", 3 * 256)  # torch: 3 tokens per tile (L·B·Hkv·D = 256)
     monkeypatch.setattr(compaction_triton, "_MOVE_TOKENS", 8)
     monkeypatch.setattr(compaction_triton, "_CHUNK", 16)
     for seed, case in enumerate([
@@ -482,10 +482,10 @@ def test_cpu_caches_take_the_c_walk_and_torch_ops_when_switched_off(case, monkey
     reference; with HERMES_KERNELS_NATIVE=0 the torch-ops mover runs instead (the C one would raise)."""
     require_c_library("compact_cpu")
     with monkeypatch.context() as patch:
-        patch.setattr(rows, "move_rows_torch", refuse)
+        patch.setattr(rows_torch, "move_rows_torch", refuse)
         run_case(case, "torch", seed=60 + NATIVE_CASES.index(case))
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    monkeypatch.setattr(rows, "move_rows_native", refuse)
+    monkeypatch.setattr(rows_native, "move_rows_native", refuse)
     run_case(case, "torch", seed=60 + NATIVE_CASES.index(case))
 
 
@@ -495,7 +495,7 @@ def test_asking_for_the_c_walk_where_it_cannot_run_raises_before_writing(dtype, 
     case = Case("llava_ov", 4, 1, 2, 64, 3, 20, 9, dtype, None, "eager", True, "contiguous")
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=70)
     snapshot = [t.clone() for t in (keys, values, positions)]
-    takes = ", ".join(map(str, rows.C_DTYPES))  # the message lists the dtypes the C kernel does take
+    takes = ", ".join(map(str, bindings.C_DTYPES))  # the message lists the dtypes the C kernel does take
     with pytest.raises(RuntimeError, match=f"native: the C row kernel cannot run: the cache is {dtype}, "
                                            f"the C kernel takes {takes}$"):
         compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
@@ -519,8 +519,8 @@ def test_native_false_takes_the_torch_ops_where_the_c_walk_could_run(monkeypatch
     """`native=False` is a choice, not a hint: on a cache the C walk takes (CPU fp32, contiguous rows, library
     built) the torch-ops mover runs, with the sorting dense rank, and matches the reference."""
     require_c_library("compact_cpu")
-    monkeypatch.setattr(rows, "move_rows_native", refuse)
-    monkeypatch.setattr(rows, "dense_rank_counting", refuse)
+    monkeypatch.setattr(rows_native, "move_rows_native", refuse)
+    monkeypatch.setattr(ranks, "dense_rank_counting", refuse)
     case = NATIVE_CASES[1]
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=74)
     compacts_like_the_reference(case, cfg, keys, values, positions, None, keep, inv_freq, section, lambda: (
@@ -542,7 +542,7 @@ def test_rows_not_contiguous_in_either_tensor_take_the_torch_ops(strided, monkey
     with pytest.raises(RuntimeError, match=r"^native: the C row kernel cannot run: a key or value row is not "
                                            r"contiguous \(stride of the last dim != 1\)$"):
         compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
-    monkeypatch.setattr(rows, "move_rows_native", refuse)
+    monkeypatch.setattr(rows_native, "move_rows_native", refuse)
     compacts_like_the_reference(case, cfg, keys, values, positions, None, keep, inv_freq, section, lambda: (
         compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section)))
 
@@ -568,7 +568,7 @@ def test_without_a_compiler_the_torch_ops_mover_runs(monkeypatch, fresh_build):
     monkeypatch.setattr(native, "_compiler", lambda: None)
     assert native.library("compact_cpu") is None
     assert native.unavailable_reason("compact_cpu").startswith("no C compiler")
-    monkeypatch.setattr(rows, "move_rows_native", refuse)
+    monkeypatch.setattr(rows_native, "move_rows_native", refuse)
     run_case(NATIVE_CASES[0], "torch", seed=71)
 
 
@@ -582,13 +582,13 @@ def test_angle_table_rows_equal_the_per_token_angles(spread):
     delta = torch.randint(-40, 25, (3, 2, 1, 17), generator=g) * scale
     delta[0, 0, 0, 5] = 0
     inv_freq = inv_freq_for(64)
-    cos, sin, index, zero = rows.angle_table(delta, inv_freq)
+    cos, sin, index, zero = rows_native.angle_table(delta, inv_freq)
     assert index.dtype == torch.int32 and index.shape == delta.shape
     assert cos.shape[0] <= (65 if spread == "narrow" else delta.numel())
     want_cos, want_sin = rotary_cos_sin(delta, inv_freq)
     assert torch.equal(cos[index.long()], want_cos) and torch.equal(sin[index.long()], want_sin)
     assert zero >= 0 and torch.equal(cos[zero], torch.ones(32)) and torch.equal(sin[zero], torch.zeros(32))
-    _, _, _, none = rows.angle_table(delta.abs() + 1, inv_freq)  # no row for 0
+    _, _, _, none = rows_native.angle_table(delta.abs() + 1, inv_freq)  # no row for 0
     assert none == -1
 
 
@@ -609,11 +609,11 @@ def test_counting_dense_rank_equals_the_sorting_one(spread, mask, in_c, monkeypa
     valid = torch.rand(3, 2, 1, 23, generator=g) < 0.7 if mask == "lanes" else torch.ones(1, dtype=torch.bool)
     if mask == "lanes":
         valid[1, 0] = False
-    sort_rank, calls, in_c_calls = rows.dense_rank, [], []
-    native_rank = rows.dense_rank_native
-    monkeypatch.setattr(rows, "dense_rank", lambda *a: calls.append(1) or sort_rank(*a))
-    monkeypatch.setattr(rows, "dense_rank_native", lambda *a: in_c_calls.append(1) or native_rank(*a))
-    got = rows.dense_rank_counting(values, valid)
+    sort_rank, calls, in_c_calls = ranks.dense_rank, [], []
+    native_rank = ranks.dense_rank_native
+    monkeypatch.setattr(ranks, "dense_rank", lambda *a: calls.append(1) or sort_rank(*a))
+    monkeypatch.setattr(ranks, "dense_rank_native", lambda *a: in_c_calls.append(1) or native_rank(*a))
+    got = ranks.dense_rank_counting(values, valid)
     want = sort_rank(values, valid)
     ok = valid.expand_as(values)
     assert torch.equal(got[ok], want[ok])
@@ -646,8 +646,8 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
         seen.update(cos=cos, sin=sin, index=index)
         return cos, sin, index, zero
 
-    real_table = rows.angle_table
-    monkeypatch.setattr(rows, "angle_table", random_table)
+    real_table = rows_native.angle_table
+    monkeypatch.setattr(rows_native, "angle_table", random_table)
     before = keys.clone()
     compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
 
@@ -678,7 +678,7 @@ def test_a_failing_build_or_load_falls_back_with_its_reason(monkeypatch, tmp_pat
     monkeypatch.setenv("CC", str(broken))
     assert native.library("compact_cpu") is None
     assert "no such luck" in native.unavailable_reason("compact_cpu")
-    monkeypatch.setattr(rows, "move_rows_native", refuse)
+    monkeypatch.setattr(rows_native, "move_rows_native", refuse)
     run_case(NATIVE_CASES[0], "torch", seed=76)
 
     native._build.cache_clear()
