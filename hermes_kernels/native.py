@@ -3,7 +3,7 @@ on first use, once per machine (cached on disk), and loaded with ctypes.
 
 Why C: on CPU the compaction is a row move (read each kept row, rotate keys, write it to its slot). Any
 formulation in torch ops stages the rows through a gather buffer and then writes them out again, and that alone
-costs about twice a single pass (see `rows.py`); a plain loop over rows moves every row once, in place. The C
+costs about twice a single pass (see `rows_torch.py`); a plain loop over rows moves every row once, in place. The C
 code takes no torch headers: tensors go in as data pointers and element strides, so a build needs only a C
 compiler (`$CC`, else `cc`, `gcc` or `clang`), as Triton's own launcher stubs do. A `$CC` that names no program
 is not replaced by another compiler: there is no library, and `unavailable_reason` says so.
