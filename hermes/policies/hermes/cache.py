@@ -102,7 +102,7 @@ class HermesCache(StreamCacheBase):
         # pooled guidance attention of the running step, written by the attention function (§2.3)
         self.guidance_attn = torch.zeros(cfg.num_layers, batch_size, capacity, dtype=torch.float32,
                                          device=self._stacks[0].device)
-        # a hermes.policies.hermes.attention.GuidanceState while `hermes.policies.hermes.guidance` runs a guidance pass,
+        # a hermes.policies.hermes.guidance.GuidanceState while `hermes.policies.hermes.guidance` runs a guidance pass,
         # else None
         self.guidance = None
         self._length = 0
