@@ -22,8 +22,9 @@ from hermes_kernels.policies.h2svc.config import EPISODIC
 from hermes_kernels.policies.hermes import compaction
 from tests.hermes.policies.h2svc.checks import h2svc_step_fails, h2svc_stream
 from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
+from tests.hermes.stream import fifo_policy
 from tests.hermes.streams import CASES, QUESTION, QWEN3_VL, make_stream
-from tests.utils import assert_close_verbose, same_bytes
+from tests.utils import assert_close_verbose, poison_, same_bytes
 
 ERRORS = {"oom": torch.OutOfMemoryError, "interrupt": KeyboardInterrupt}
 # the model families of the shared checks: the per-policy tests' CASES and Qwen3-VL (DeepStack, timestamps)
@@ -165,6 +166,33 @@ H2SVC_FAULTS = tuple(Fault(phase, ERRORS[error]) for phase in ("vision", "first 
                      for error in ERRORS) + (Fault("values validation", ValueError),)
 
 
+# ---- FIFO (tests/hermes/stream/fifo_policy.py) --------------------------------------------------------------
+def _fifo_stream(case, model, **kwargs) -> HermesStream:
+    """Keeps 3 frames: a chunk brings 2 (LLaVA-OV frames, Qwen temporal steps), so from the second chunk on every
+    step evicts."""
+    stream = HermesStream(model, case.tokenizer(), policy="fifo", frames=3,
+                          **{"chunk_frames": case.frames, "room": 160, **case.stream_kwargs, **kwargs})
+    length = stream.cache.length
+    for stack in stream.cache._stacks:
+        for buffer in (stack.keys, stack.values):
+            poison_(buffer[..., length:, :])
+        poison_(stack.positions[..., length:])
+    return stream
+
+
+@contextlib.contextmanager
+def _fifo_step_fails(monkeypatch):
+    shift = fifo_policy.shift_down
+
+    def fails_after_moving(*args):
+        shift(*args)
+        raise torch.OutOfMemoryError("injected after the slots moved")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fifo_policy, "shift_down", fails_after_moving)
+        yield
+
+
 POLICIES = {
     "hermes": PolicyCase(name="hermes", stream=_hermes_stream, warm=2, fault_kwargs=dict(budget=64, room=70),
                          faults=HERMES_FAULTS, same_result=_hermes_same_result, step_fails=_hermes_step_fails,
@@ -174,6 +202,11 @@ POLICIES = {
                         same_result=lambda r0, r1: r0 == r1, step_fails=h2svc_step_fails, failed_step="step",
                         direct_step=lambda cache: cache.step(), guidance=False, every_chunk=True,
                         check_lockstep=_h2svc_kept_frames_differ, state=_h2svc_state),
+    "fifo": PolicyCase(name="fifo", stream=_fifo_stream, warm=2, fault_kwargs={},
+                       faults=tuple(Fault(phase, ERRORS[error]) for phase in ("vision", "first layer", "last layer")
+                                    for error in ERRORS),
+                       same_result=lambda r0, r1: r0 == r1, step_fails=_fifo_step_fails, failed_step="eviction",
+                       direct_step=lambda cache: cache.evict(1), guidance=False, every_chunk=True),
 }
 
 
