@@ -20,7 +20,7 @@ the model's default positions run on); `room()` is what still fits in every clas
 Positions (docs/h2svc.md §4). Incoming tokens get one position per token, shared by all heads of all layers: a chunk
 starts at the stream's next position R (a host int: the largest position so far + 1, or the right-aligned end
 after a re-index) plus the family's offsets; text after the video continues from R, then from its own largest
-position. The model runs at the default positions `length + i`; `update` rotates the incoming keys by
+position. The model runs at the default positions `length + i`; `write` rotates the incoming keys by
 (true − default) before storing them and the attention function rotates the queries the same way
 (`incoming_delta`), as HERMES does (docs/hermes.md §2.8).
 
