@@ -90,7 +90,7 @@ def visual_positions(spec: Spec, gen: torch.Generator) -> torch.Tensor:
     subset of a history twice as long (so positions have gaps), and the chunk follows the history. For M-RoPE
     a visual token of frame f at merged-grid cell (r, c) sits at (P + MROPE_TIME_STEP*f, P + r, P + c).
     """
-    L, B, P, device = spec.shape.num_layers, spec.batch, spec.prefix_len, spec.device
+    L, B, P, device = spec.shape.geometry.num_layers, spec.batch, spec.prefix_len, spec.device
     T = spec.tokens_per_frame
     history = math.ceil(2 * spec.budget / T) * T
     draw = torch.rand(L * B, history, generator=gen, device=device)
@@ -98,7 +98,7 @@ def visual_positions(spec: Spec, gen: torch.Generator) -> torch.Tensor:
     chunk = history + torch.arange(spec.chunk_tokens, device=device).expand(L * B, -1)
     token = torch.cat([retained, chunk], dim=-1).view(L, B, spec.num_visual)
     prefix = torch.arange(P, device=device).expand(L, B, P)
-    if spec.shape.mrope_section is None:
+    if not spec.shape.geometry.mrope:
         return torch.cat([prefix, P + token], dim=-1).contiguous()
     frame, cell = token // T, token % T
     visual = torch.stack([frame * MROPE_TIME_STEP, cell // GRID_WIDTH, cell % GRID_WIDTH], dim=2) + P
@@ -116,19 +116,19 @@ class Inputs:
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        shape, device = spec.shape, spec.device
+        geometry, device = spec.shape.geometry, spec.device
         gen = torch.Generator(device=device).manual_seed(spec.seed)
-        L, B, Hkv, D = shape.num_layers, spec.batch, shape.num_kv_heads, shape.head_dim
+        L, B, Hkv, D = geometry.num_layers, spec.batch, geometry.num_kv_heads, geometry.head_dim
         cache_shape = (L, B, Hkv, spec.num_tokens, D)
         self.keys = torch.randn(cache_shape, generator=gen, device=device, dtype=spec.dtype)
         self.values = torch.randn(cache_shape, generator=gen, device=device, dtype=spec.dtype)
         self.positions = visual_positions(spec, gen)
         self.attn = distinct_values(gen, (L, B, spec.num_visual), device)
         self.scores = distinct_values(gen, (L, B, spec.num_visual), device)
-        self.inv_freq = shape.inv_freq(device)
+        self.inv_freq = geometry.inv_freq(device)
         self.guidance = {}
         for q_len in (GUIDANCE_MIXED, GUIDANCE_GLOBAL):
-            q = torch.randn(B, shape.num_heads, q_len, D, generator=gen, device=device, dtype=spec.dtype)
+            q = torch.randn(B, geometry.num_heads, q_len, D, generator=gen, device=device, dtype=spec.dtype)
             own = torch.randn(B, Hkv, q_len, D, generator=gen, device=device, dtype=spec.dtype)
             self.guidance[q_len] = (q, torch.cat([self.keys[0], own], dim=2))
         self.work_keys = self.keys.clone()
@@ -162,7 +162,7 @@ class ClassBlock:
     def __init__(self, spec: "Spec", cls: int, first_frame: int, gen: torch.Generator):
         cfg, device, B = spec.h2svc_cfg, spec.device, spec.batch
         W, P, T, F = cfg.window(cls), spec.prefix_len, spec.tokens_per_frame, spec.chunk_frames
-        H, D = cfg.num_rows(cls), spec.shape.head_dim
+        H, D = cfg.num_rows(cls), spec.shape.geometry.head_dim
         self.window = W
         C = P + (W + F) * T
         self.keys = torch.randn(H, B, C, D, generator=gen, device=device, dtype=spec.dtype)
@@ -180,7 +180,7 @@ class ClassBlock:
         frame_of_token = slot_frame.repeat_interleave(T, dim=-1)  # [H, B, (W + F)·T]
         token_in_frame = token.repeat(W + F)
         prefix = torch.arange(P, device=device)
-        if spec.shape.mrope_section is None:
+        if not spec.shape.geometry.mrope:
             visual = (P + frame_of_token * T + token_in_frame).unsqueeze(2)
             axes = 1
         else:  # as `visual_positions`: frame f, merged-grid cell (r, c) at (P + 2f, P + r, P + c)
@@ -227,7 +227,7 @@ class H2SVCInputs:
         # the stream clock of every block (held = its full window: `clock.at`)
         self.clock = hk.StreamClock(held=0, num_frames=F, first_frame=self.first_frame,
                                     reindexed=torch.tensor(spec.reindex == "eager"), next_position=next_position)
-        self.inv_freq = spec.shape.inv_freq(spec.device)
+        self.inv_freq = spec.shape.geometry.inv_freq(spec.device)
         self.blocks = {cls: ClassBlock(spec, cls, self.first_frame, gen)
                        for cls in (INSTANT, SHORT, EPISODIC) if cfg.num_rows(cls)}
         self.movers = {cls: min(F, block.window) * cfg.num_rows(cls) * spec.batch

@@ -70,27 +70,24 @@ _BASE_ADDRESS = 1 << 32
 def _with_head_dim(shape: ModelShape, head_dim: int) -> ModelShape:
     """The shape with another head dim (M-RoPE sections scaled with it, interleaved or not): the D = 64 / 256
     variants."""
-    section = None
-    if shape.mrope_section is not None:
-        section = tuple(s * head_dim // shape.head_dim for s in shape.mrope_section)
-    return dataclasses.replace(shape, name=f"{shape.name}[D={head_dim}]", head_dim=head_dim, mrope_section=section)
+    return dataclasses.replace(shape, name=f"{shape.name}[D={head_dim}]",
+                               geometry=shape.geometry.with_head_dim(head_dim))
 
 
 def _case(shape: ModelShape, dtype: str, budget: int, reindex: str, batch: int = 1) -> HermesCase:
     cfg = shape.config(budget, reindex="eager" if reindex == "given" else reindex)
     chunk = CHUNK_FRAMES * TOKENS_PER_FRAME
     label = f"{shape.name} {dtype} b{budget} {reindex}" + (f" B={batch}" if batch > 1 else "")
-    return HermesCase(label=label, num_layers=shape.num_layers, num_heads=shape.num_heads,
-                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, rotary=shape.rotary,
-                    dtype=_DTYPES[dtype], cfg=cfg, chunk_tokens=chunk, capacity=cfg.prefix_len + budget + chunk + _ROOM,
-                    guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
+    return HermesCase(label=label, geometry=shape.geometry, dtype=_DTYPES[dtype], cfg=cfg, chunk_tokens=chunk,
+                      capacity=cfg.prefix_len + budget + chunk + _ROOM,
+                      guidance_tokens=(GUIDANCE_MIXED, GUIDANCE_GLOBAL), reindex=reindex, batch=batch)
 
 
 def _h2svc_case(shape: ModelShape, dtype: str, chunk_frames: int, reindexing: bool,
                 batch: int = 1) -> H2SVCCase:
     label = (f"{shape.name} h2svc {dtype} F{chunk_frames} {'reindex' if reindexing else 'no-reindex'}"
              + (f" B={batch}" if batch > 1 else ""))
-    return H2SVCCase(label=label, head_dim=shape.head_dim, rotary=shape.rotary, dtype=_DTYPES[dtype],
+    return H2SVCCase(label=label, geometry=shape.geometry, dtype=_DTYPES[dtype],
                      cfg=shape.h2svc_config(), chunk_frames=chunk_frames, reindexing=reindexing, batch=batch)
 
 

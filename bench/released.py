@@ -35,24 +35,24 @@ class ReleasedInputs:
         spec = inputs.spec
         if spec.batch != 1:
             raise Unavailable("the released classes hold one stream (batch 1)")
-        shape, device = spec.shape, spec.device
+        g, device = spec.shape.geometry, spec.device
         self.inputs, self.spec = inputs, spec
-        self.qwen = shape.mrope_section is not None
-        geometry = dict(num_layers=shape.num_layers, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
-                        head_dim=shape.head_dim, hidden=shape.num_heads * shape.head_dim,
-                        max_positions=shape.max_positions, theta=shape.rope_theta, share_weights=True, mlp=False,
+        self.qwen = g.mrope
+        geometry = dict(num_layers=g.num_layers, heads=g.num_heads, kv_heads=g.num_kv_heads,
+                        head_dim=g.head_dim, hidden=g.num_heads * g.head_dim,
+                        max_positions=g.max_positions, theta=g.rope_theta, share_weights=True, mlp=False,
                         dtype=spec.dtype, seed=spec.seed)
         if self.qwen:
-            geometry["mrope_section"] = shape.mrope_section
+            geometry["mrope_section"] = g.rotary.counts
         self.language_model = (TinyLanguageModel(**geometry) if self.qwen else TinyCausalLM(**geometry)).to(device)
         gen = torch.Generator(device=device).manual_seed(spec.seed + 7)
-        N, H = spec.num_tokens, shape.num_heads
+        N, H = spec.num_tokens, g.num_heads
 
         def attention(q_len: int) -> torch.Tensor:
             return torch.rand(1, H, q_len, N + q_len, generator=gen, device=device).to(spec.dtype)
 
         prompts = [attention(GUIDANCE_GLOBAL), attention(GUIDANCE_GLOBAL), attention(GUIDANCE_MIXED)]
-        self.attention_lists = [[weights] * shape.num_layers for weights in prompts]
+        self.attention_lists = [[weights] * g.num_layers for weights in prompts]
         self._pooled = None
 
     def pooled(self, model) -> torch.Tensor:
@@ -60,7 +60,7 @@ class ReleasedInputs:
         layers: the mixed prompt, deep: the global one, shallow: 0), so both rows select the same tokens."""
         if self._pooled is None:
             P, s, e = self.spec.prefix_len, model.short_term_threshold, model.long_term_threshold
-            out = torch.zeros(self.spec.shape.num_layers, 1, self.spec.num_visual, device=self.spec.device)
+            out = torch.zeros(self.spec.shape.geometry.num_layers, 1, self.spec.num_visual, device=self.spec.device)
             for layers, weights in ((range(s, e), self.attention_lists[2][0]), (range(e, out.shape[0]),
                                                                                 self.attention_lists[1][0])):
                 q = weights.shape[2]
@@ -147,8 +147,9 @@ def released_guidance_case(inputs: Inputs, backend: str) -> Case:
     model = r.instance(work=False)
     local, global_ = model.predict_next_question()
     spec = inputs.spec
-    kv = spec.shape.num_kv_heads * spec.num_tokens * spec.shape.head_dim * spec.dtype.itemsize
-    moved = spec.shape.num_layers * kv  # every layer's keys read once (shallow layers included, released-style)
+    geometry = spec.shape.geometry
+    kv = geometry.num_kv_heads * spec.num_tokens * geometry.head_dim * spec.dtype.itemsize
+    moved = geometry.num_layers * kv  # every layer's keys read once (shallow layers included, released-style)
     if backend == RELEASED:
         def run():
             for text in (local, global_, local + "; " + global_):

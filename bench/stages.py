@@ -117,10 +117,10 @@ def _without_c_rows(fn: Callable) -> Callable:
 
 def _cache_bytes(spec: Spec, tokens: int) -> int:
     """Bytes of K and V plus positions for `tokens` slots of every layer and stream."""
-    s = spec.shape
-    axes = 3 if s.mrope_section is not None else 1
-    kv = 2 * s.num_layers * spec.batch * s.num_kv_heads * tokens * s.head_dim * spec.dtype.itemsize
-    return kv + s.num_layers * spec.batch * axes * tokens * 8
+    g = spec.shape.geometry
+    axes = 3 if g.mrope else 1
+    kv = 2 * g.num_layers * spec.batch * g.num_kv_heads * tokens * g.head_dim * spec.dtype.itemsize
+    return kv + g.num_layers * spec.batch * axes * tokens * 8
 
 
 def floor_bytes(spec: Spec) -> dict[str, int]:
@@ -130,7 +130,7 @@ def floor_bytes(spec: Spec) -> dict[str, int]:
     end up filled (kept tokens and the summary; the prefix stays where it is); plus keep (compaction) or
     attn in and scores out (step).
     """
-    L, B, V = spec.shape.num_layers, spec.batch, spec.num_visual
+    L, B, V = spec.shape.geometry.num_layers, spec.batch, spec.num_visual
     kept = min(spec.budget, V)
     keep_bytes = L * B * kept * 8
     compact = _cache_bytes(spec, spec.num_tokens) + _cache_bytes(spec, kept) + keep_bytes
@@ -158,7 +158,8 @@ def setup_select(inputs: Inputs, backend: str) -> Case:
     op = backend_op(backend, "select_keep")
     cfg = inputs.spec.cfg
     spec = inputs.spec
-    moved = inputs.scores.numel() * 4 + spec.shape.num_layers * spec.batch * min(spec.budget, spec.num_visual) * 8
+    kept = spec.shape.geometry.num_layers * spec.batch * min(spec.budget, spec.num_visual)
+    moved = inputs.scores.numel() * 4 + kept * 8
     return Case(run=lambda: op(inputs.scores, cfg), bytes_moved=moved)
 
 
@@ -168,7 +169,7 @@ def setup_compact(inputs: Inputs, backend: str) -> Case:
     spec = inputs.spec
     keep = inputs.keep
     return Case(run=lambda: op(inputs.work_keys, inputs.work_values, inputs.work_positions, keep, spec.cfg,
-                               inputs.inv_freq, spec.shape.rotary),
+                               inputs.inv_freq, spec.shape.geometry.rotary),
                 bytes_moved=floor_bytes(spec)["compact"], reset=inputs.reset, has_floor=True)
 
 
@@ -177,7 +178,7 @@ def setup_step(inputs: Inputs, backend: str) -> Case:
     op = backend_op(backend, "compress_step")
     spec = inputs.spec
     return Case(run=lambda: op(inputs.work_keys, inputs.work_values, inputs.work_positions, inputs.attn, spec.cfg,
-                               inputs.inv_freq, spec.shape.rotary),
+                               inputs.inv_freq, spec.shape.geometry.rotary),
                 bytes_moved=floor_bytes(spec)["step"], reset=inputs.reset, has_floor=True)
 
 
@@ -191,8 +192,8 @@ def h2svc_floor_bytes(inputs: H2SVCInputs) -> dict[str, int]:
     """
     spec = inputs.spec
     cfg, B, T, F = spec.h2svc_cfg, spec.batch, spec.tokens_per_frame, spec.chunk_frames
-    D, item = spec.shape.head_dim, spec.dtype.itemsize
-    axes = 3 if spec.shape.mrope_section is not None else 1
+    D, item = spec.shape.geometry.head_dim, spec.dtype.itemsize
+    axes = 3 if spec.shape.geometry.mrope else 1
     features = 0
     step = 0
     for cls, block in inputs.blocks.items():
@@ -234,7 +235,7 @@ def setup_h2svc_step(inputs: H2SVCInputs, backend: str) -> Case:
     place (features, STCE, slot plan, moves, re-index when eager); reset before each run."""
     op = backend_op(backend, "h2svc_step", "h2svc")
     spec = inputs.spec
-    section = spec.shape.rotary
+    section = spec.shape.geometry.rotary
 
     def run():
         for cls, block in inputs.blocks.items():
@@ -266,8 +267,8 @@ def cache_bytes(shape: ModelShape, dtype: torch.dtype, prefix_len: int = PREFIX_
     Σ_c H_c·(P + W_c·T_f)), a dense cache of `dense_frames` frames in every head, and HERMES at `budget` tokens
     per layer."""
     cfg = shape.h2svc_config(prefix_len, tokens_per_frame)
-    per_token = 2 * shape.head_dim * dtype.itemsize
-    heads = shape.num_layers * shape.num_kv_heads
+    per_token = 2 * shape.geometry.head_dim * dtype.itemsize
+    heads = shape.geometry.num_layers * shape.geometry.num_kv_heads
     chunk = chunk_frames * tokens_per_frame
 
     def both(token_heads: int, rows: int) -> tuple[int, int]:

@@ -47,15 +47,15 @@ def frame_tokens(name: str) -> int:
 def memory_frames(name: str, seconds: float, fps: float) -> int:
     """H2SVC frames of a stream: sampled video frames (LLaVA-OV), temporal grid steps of 2 (Qwen-VL)."""
     video = math.floor(seconds * fps)
-    return -(-video // 2) if get_shape(name).mrope_section is not None else video
+    return -(-video // 2) if get_shape(name).geometry.mrope else video
 
 
 def stream_bytes(name: str, seconds: float = SECONDS, fps: float = 1.0) -> dict[str, int]:
     """K+V bytes of one stream of `seconds` at `fps` (module docstring): full, hermes, h2svc (retained) and
     hermes_allocated, h2svc_allocated."""
     shape = get_shape(name)
-    per_token = 2 * shape.head_dim * DTYPE.itemsize
-    heads = shape.num_layers * shape.num_kv_heads
+    per_token = 2 * shape.geometry.head_dim * DTYPE.itemsize
+    heads = shape.geometry.num_layers * shape.geometry.num_kv_heads
     P, T_f = PREFIX_LEN, frame_tokens(name)
     frames = memory_frames(name, seconds, fps)
     chunk_frames = memory_frames(name, CHUNK_VIDEO_FRAMES, 1.0)

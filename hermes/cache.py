@@ -1,25 +1,10 @@
 """What every policy's KV cache shares: `StreamCacheBase`, a `transformers.Cache` the streaming front drives the
-same way whatever the policy (docs/policies.md says what a policy cache must add).
-
-Forwards (set with `forward_context`): store (the default, also what `model.generate` gets: tokens are appended
-and the length grows), read-only (tokens are written past the length so attention can read them, but the length
-does not move: guidance passes, scoring) and partly stored (`keep`: the first tokens are appended, the rest
-read-only: a chunk carrying its guidance prompts, docs/hermes.md §4). A question batch of uneven lengths is
-left-padded; `left_padding` hides the padding slots from every query (`hidden_keys`). The model runs at default
-positions `length + i`; a policy cache knows every token's true position and the attention entry
-(`hermes.attention`) hands each layer's call to the cache (`attend`), which rotates from one to the other.
-
-The attention function finds its cache through a per-thread hand-off (`claim_update`): the model calls
-`cache.update` right before attention, on the same thread, and passes the returned keys on unchanged.
-
-Failures. A forward writes only past the length and the length moves at the last layer, so `atomic()` undoes any
-failed call by restoring the host counters. The one write below the length is a policy's in-place step, run
-through `_step_in_place`: it validates everything first (bad input raises with the cache untouched); an
-exception escaping the writes themselves (a device error, an out-of-memory, a KeyboardInterrupt between row
-moves) leaves the cache `undefined`, refusing every forward and step until `reset()`.
-
-Also here: the per-layer views transformers expects (`_LayerView`), the lockstep restrictions, the geometry checks
-and layer runs of a cache split over devices (`layer_runs`), and `prefill` of a video chunk.
+same way whatever the policy. It owns the host counters (one frozen value, moved at a forward's last layer and by
+in-place steps), reset, the forward contexts (stored, read-only, partly stored, left-padded), the per-thread
+hand-off to the attention function (`claim_update`), failure bookkeeping (`atomic()`, `undefined`), the buffers'
+bookkeeping (`allocate`: `data_ptrs`, `nbytes`) and stats; a policy's cache adds its storage through five methods
+(`begin_forward`, `write`, `attend`, `truncate`, `contents`). Also here: `layer_runs` (the layers of a cache split
+over devices) and `prefill` of a video chunk. The contract, with shapes: docs/policies.md#cache.
 """
 from __future__ import annotations
 
@@ -27,7 +12,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -54,16 +39,32 @@ def claim_update(key: torch.Tensor) -> tuple["StreamCacheBase", int] | None:
     return None if cache is None else (cache, last[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """The host state of a cache, one frozen value: `length`, the slots transformers sees (prefix, video, text). A
+    policy's cache extends it with its own fields (`dataclasses.replace` moves them); `atomic()` restores it
+    whole and `reset()` puts back the value the cache was built with."""
+
+    length: int = 0
+
+
 @dataclasses.dataclass
 class Forward:
     """What one forward through the model writes: tokens [start, start + count) of every stream (default positions,
-    the length transformers sees), of which the first `stored` stay; `masks` memoised for this forward. A policy
-    cache may extend it with what its own forwards need (keyword-only fields)."""
+    the length transformers sees), of which the first `stored` stay; `after`: the cache's counters once its last
+    layer has stored them; `masks` memoised for this forward. A policy cache may extend it with what its own
+    forwards need (keyword-only fields)."""
 
     start: int
     count: int
     stored: int
+    after: Any = None
     masks: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def hidden_start(self):
+        """Where the padding of a left-padded forward starts (`hidden_keys`): the slot of its first token."""
+        return self.start
 
 
 class _LayerView(CacheLayerMixin):
@@ -153,65 +154,89 @@ def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim:
 
 
 class StreamCacheBase(Cache):
-    """What every policy cache of the stream shares: a `transformers.Cache` the front drives the same way.
+    """What every policy cache of the stream shares: a `transformers.Cache` the front drives the same way
+    (docs/policies.md#cache).
 
-    Subclasses hold the storage and positions and implement `length`, `capacity`, `room()` (tokens that still fit
-    past the length in every row), `_begin_forward` (checks and `_take_context`, run once at layer 0), `update`
-    (taking its forward from `_forward_at`, calling `_hand_off` per layer), `attend` (the layer's attention, called
-    by the one registered attention function), `truncate`, `reset` (calling `_reset_stream`), `stats`,
-    `layer_keys` / `layer_values` (what `_LayerView` shows transformers), `_hidden_start()` (where a left-padded
-    forward's padding starts), `_counters()` / `_restore_counters()` (the host state `atomic()` puts back; it
-    must include `_steps`), `_home_device` (where the default positions live) and, optionally, `_end_context()`.
-    Their in-place step runs through `_step_in_place`.
+    A subclass calls `super().__init__` first (the layer views hold only a weak proxy of the cache), allocates its
+    buffers with `allocate`, sets `capacity` and implements `begin_forward`, `write`, `attend`, `truncate` and
+    `contents`; `room()`, `length` (the counters' `length`) and `position_range()` have defaults it may override.
+    Its in-place step runs through `_step_in_place` after `_check_defined()` and its own validation.
+    `step_name` names that step in the message of a cache a failed step left undefined.
     """
 
-    def _init_stream(self, num_layers: int, batch_size: int, rotary: Sequence[int] | RotaryLayout | None,
-                     head_dim: int) -> None:
-        """The shared fields (call first: the layer views hold only a weak proxy of the cache). `rotary`
-        is stored as the `RotaryLayout` of D/2 pairs every rotation of the cache reads (1D RoPE included)."""
+    step_name: ClassVar[str] = "step"
+
+    def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 rotary: Sequence[int] | RotaryLayout | None, home_device: torch.device | str,
+                 counters: Counters = Counters()):
+        """num_layers L, batch_size B, num_kv_heads Hkv, head_dim D: the cache's geometry (incoming key_states are
+        [B, Hkv, T, D]); rotary: stored as the `RotaryLayout` of D/2 pairs every rotation of the cache reads (1D
+        RoPE included); home_device: where default positions and padding counts live (layer 0's device);
+        counters: the empty cache's host state (`reset()` puts it back)."""
         self.rotary = RotaryLayout.of(rotary, head_dim // 2)
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self._batch_size = batch_size
+        self._home_device = torch.device(home_device)
+        self._empty = counters
+        self.counters = counters
         self._steps = 0
         self._reindexes = 0
         # set while an in-place step may have written below the length; only reset() clears it
         self._undefined = False
         self._context: dict | None = None
         self._forward: Forward | None = None
+        self._buffers: list[torch.Tensor] = []
         Cache.__init__(self, layers=[_LayerView(self, layer) for layer in range(num_layers)])
 
-    def _reset_stream(self) -> None:
-        """The shared part of `reset()`: step counters 0, `undefined` cleared."""
-        self._steps = 0
-        self._reindexes = 0
-        self._undefined = False
+    # ---- what a policy cache implements (docs/policies.md#cache) -------------------------------------------
+    def begin_forward(self, count: int, rel_positions: torch.Tensor | None, stored: int) -> Forward:
+        """At layer 0 of every forward of `count` tokens, `stored` of which stay: check that they fit, write their
+        true positions (`rel_positions` as `forward_context` describes them, None for text) and return the
+        `Forward` every layer's `write` gets, with `after`, the counters once the forward's last layer stored."""
+        raise NotImplementedError
 
-    # ---- what every forward and step checks first ---------------------------------------------------------
-    def _check_defined(self, failed: str) -> None:
-        """RuntimeError while a failed in-place write (`failed` names it) has left the cache undefined."""
-        if self._undefined:
-            raise RuntimeError(f"{type(self).__name__}: a failed {failed} left the cache undefined; call reset()")
+    def write(self, forward: Forward, layer: int, key_states: torch.Tensor,
+              value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `layer`'s incoming keys and values [B, Hkv, T, D] (post-RoPE at the default positions) past
+        the length; return the (keys, values) the model hands to its attention, which hands them to `attend`."""
+        raise NotImplementedError
 
-    def _forward_at(self, layer_idx: int, key_states: torch.Tensor) -> Forward:
-        """The forward `update` of layer `layer_idx` belongs to: begun at layer 0 (`_begin_forward`), then the
-        same one for every later layer with the same token count (RuntimeError otherwise)."""
-        if layer_idx == 0:
-            self._forward = self._begin_forward(key_states)
-        fwd = self._forward
-        if fwd is None or key_states.shape[-2] != fwd.count:
-            raise RuntimeError(f"{type(self).__name__}.update: layer {layer_idx} updated outside a forward that "
-                               f"began at layer 0 with the same token count")
-        return fwd
+    def attend(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """The attention of `layer` for the running forward: query [B, H, T, D] at the default positions, key/value
+        as `write` returned them. Rotates the queries to the true positions and attends over the cache's storage.
+        Returns (output [B, T, H, D], None), as transformers' attention functions do."""
+        raise NotImplementedError
 
-    def _incoming_count(self, key_states: torch.Tensor) -> int:
-        """T of a forward's key_states [B, Hkv, T, D]; ValueError unless B, Hkv and D are this cache's."""
-        count = key_states.shape[-2]
-        expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
-        if tuple(key_states.shape) != expected:
-            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={self.num_kv_heads}, T, "
-                             f"D={self.head_dim}] for this cache, got {tuple(key_states.shape)}")
-        return count
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (a question and its answer): ValueError naming `length` for a length
+        that is not an int in the range the cache can drop to; storage is untouched."""
+        raise NotImplementedError
+
+    def contents(self) -> dict[str, torch.Tensor]:
+        """What the cache holds now, by name: views of the valid slots with the stream axis first ([B, ...]); names
+        ending in "positions" are int64 position ids (`position_range`), in "keys" / "values" keys and values."""
+        raise NotImplementedError
 
     # ---- sizes -------------------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """N: the sequence length transformers sees (the counters' `length`)."""
+        return self.counters.length
+
+    def room(self) -> int:
+        """Tokens the next forwards may still bring past the length (default: capacity - length)."""
+        return self.capacity - self.length
+
+    def check_room(self, count: int) -> None:
+        """ValueError naming `room` unless `count` more tokens fit past the length."""
+        if count > self.room():
+            raise ValueError(f"room: {count} more tokens do not fit (length {self.length}, capacity "
+                             f"{self.capacity}); raise room")
+
     @property
     def batch_size(self) -> int:
         return self._batch_size
@@ -242,6 +267,48 @@ class StreamCacheBase(Cache):
         ids = torch.arange(start, start + count, device=self._home_device)
         ids = ids.expand(self._batch_size, count)
         return ids.expand(3, self._batch_size, count) if self.mrope else ids
+
+    # ---- buffers and stats ---------------------------------------------------------------------------------
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
+                 fill: float = 0) -> torch.Tensor:
+        """A buffer of the cache, allocated once (`data_ptrs`, `nbytes` and `buffers` count it)."""
+        buffer = torch.full(tuple(shape), fill, dtype=dtype, device=device)
+        self._buffers.append(buffer)
+        return buffer
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer `allocate` gave, whole (free slots included)."""
+        return list(self._buffers)
+
+    def data_ptrs(self) -> list[int]:
+        """Storage addresses of every buffer; they never change after construction."""
+        return [t.data_ptr() for t in self._buffers]
+
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated buffers."""
+        return sum(t.numel() * t.element_size() for t in self._buffers)
+
+    def position_range(self) -> tuple[int, int]:
+        """(smallest, largest) valid position over every layer, row, stream and axis; (0, -1) when empty."""
+        if self.length == 0:
+            return 0, -1
+        spans = [view for name, view in self.contents().items() if name.endswith("positions") and view.numel()]
+        lows = torch.stack([span.amin().to(self._home_device) for span in spans])
+        highs = torch.stack([span.amax().to(self._home_device) for span in spans])
+        return int(lows.min().item()), int(highs.max().item())
+
+    def stats(self) -> dict:
+        """length, capacity, positions (smallest, largest), steps, reindexes, bytes_allocated."""
+        return {"length": self.length, "capacity": self.capacity, "positions": self.position_range(),
+                "steps": self._steps, "reindexes": self._reindexes, "bytes_allocated": self.nbytes()}
+
+    def reset(self) -> None:
+        """Empty the cache (the counters it was built with, step counters 0, `undefined` cleared); the buffers
+        stay allocated."""
+        self.counters = self._empty
+        self._steps = 0
+        self._reindexes = 0
+        self._undefined = False
 
     # ---- forwards ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -277,38 +344,71 @@ class StreamCacheBase(Cache):
         finally:
             self._context = None
             self._forward = None
-            self._end_context()
 
-    def _end_context(self) -> None:
-        """Drop per-forward state when a context closes (hook)."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' write of one layer: the forward begun at layer 0 (`begin_forward`), the policy's `write`,
+        the hand-off to the attention function; the counters move once the last layer has stored."""
+        forward = self._forward_at(layer_idx, key_states)
+        keys, values = self.write(forward, layer_idx, key_states, value_states)
+        _HANDOFF.last = (weakref.ref(self), layer_idx, keys)
+        if layer_idx == self.num_layers - 1:
+            self.counters = forward.after
+        return keys, values
 
-    def _take_context(self, count: int) -> tuple[torch.Tensor | None, int]:
-        """At layer 0 of a forward of `count` tokens: (rel_positions of this forward, tokens it stores). The first
-        forward of a context takes the context's offsets and padding (checked here; the padding slots are recorded
-        for `hidden_keys`); later forwards are text after it."""
+    def _forward_at(self, layer_idx: int, key_states: torch.Tensor) -> Forward:
+        """The forward `update` of layer `layer_idx` belongs to: begun at layer 0, then the same one for every later
+        layer with the same token count (RuntimeError otherwise)."""
+        if layer_idx == 0:
+            self._check_defined()
+            count = self._incoming_count(key_states)
+            rel, stored, pads = self._take_context(count)
+            self._forward = self.begin_forward(count, rel, stored)
+            if pads is not None:
+                self._context["hidden"] = (self._forward.hidden_start, pads.to(self._home_device))
+        fwd = self._forward
+        if fwd is None or key_states.shape[-2] != fwd.count:
+            raise RuntimeError(f"{type(self).__name__}.update: layer {layer_idx} updated outside a forward that "
+                               f"began at layer 0 with the same token count")
+        return fwd
+
+    def _incoming_count(self, key_states: torch.Tensor) -> int:
+        """T of a forward's key_states [B, Hkv, T, D]; ValueError unless B, Hkv and D are this cache's."""
+        count = key_states.shape[-2]
+        expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
+        if tuple(key_states.shape) != expected:
+            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={self.num_kv_heads}, T, "
+                             f"D={self.head_dim}] for this cache, got {tuple(key_states.shape)}")
+        return count
+
+    def _take_context(self, count: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        """At layer 0 of a forward of `count` tokens: (rel_positions of this forward, tokens it stores, its left
+        padding). The first forward of a context takes the context's offsets and padding (checked here); later
+        forwards are text after it."""
         context = self._context or {"rel_positions": None, "keep": None, "left_padding": None, "hidden": None}
         rel, pads = context["rel_positions"], context["left_padding"]
         context["rel_positions"] = context["left_padding"] = None
-        if pads is not None:
-            if int(pads.max()) >= count or int(pads.min()) < 0:
-                raise ValueError(f"left_padding: expected counts in [0, T={count}) (every stream keeps a token), "
-                                 f"got {pads.tolist()}")
-            context["hidden"] = (self._hidden_start(), pads.to(self._home_device))
+        if pads is not None and (int(pads.max()) >= count or int(pads.min()) < 0):
+            raise ValueError(f"left_padding: expected counts in [0, T={count}) (every stream keeps a token), "
+                             f"got {pads.tolist()}")
         keep = context["keep"]
-        return rel, count if keep is None else min(keep, count)
-
-    def _hand_off(self, layer: int, keys: torch.Tensor) -> None:
-        """Tie the tensor `update` returns for `layer` to this cache, for the attention function (`claim_update`)."""
-        _HANDOFF.last = (weakref.ref(self), layer, keys)
+        return rel, count if keep is None else min(keep, count), pads
 
     def stored_count(self) -> int:
         """Tokens of the running forward that stay in the cache (its first ones); the rest are read-only."""
         return self._forward.stored
 
+    @property
+    def current_forward(self) -> Forward:
+        """The running forward (what `begin_forward` returned); RuntimeError outside one."""
+        if self._forward is None:
+            raise RuntimeError(f"{type(self).__name__}: no forward is running")
+        return self._forward
+
     def hidden_keys(self) -> tuple | None:
         """Padding slots of the running context hidden from every query: (start, counts int64 [B]), stream b
-        hiding slots [start, start + counts[b]) (`start` as `_hidden_start` gives it); None when nothing is
-        hidden."""
+        hiding slots [start, start + counts[b]) (`start` as the forward's `hidden_start` gives it); None when
+        nothing is hidden."""
         return None if self._context is None else self._context["hidden"]
 
     def forward_mask(self, key, device: torch.device, build) -> torch.Tensor:
@@ -322,6 +422,17 @@ class StreamCacheBase(Cache):
         """transformers' crop: keep `max_length` slots (negative: drop that many from the end)."""
         self.truncate(self.length + max_length if max_length < 0 else min(max_length, self.length))
 
+    # ---- the layer views transformers reads --------------------------------------------------------------
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """Valid keys of one layer [B, Hkv, N, D], for caches whose layers hold one sequence."""
+        raise NotImplementedError(f"{type(self).__name__}: a layer's heads do not hold one sequence; read "
+                                  "contents()")
+
+    def layer_values(self, layer: int) -> torch.Tensor:
+        """Valid values of one layer [B, Hkv, N, D], for caches whose layers hold one sequence."""
+        raise NotImplementedError(f"{type(self).__name__}: a layer's heads do not hold one sequence; read "
+                                  "contents()")
+
     # ---- failures ----------------------------------------------------------------------------------------
     @property
     def undefined(self) -> bool:
@@ -329,11 +440,18 @@ class StreamCacheBase(Cache):
         rewritten, so every forward and step raises until `reset()`."""
         return self._undefined
 
+    def _check_defined(self) -> None:
+        """RuntimeError while a failed in-place step (named by `step_name`) has left the cache undefined: every
+        forward checks it first, and a policy's step before anything else."""
+        if self._undefined:
+            raise RuntimeError(f"{type(self).__name__}: a failed {self.step_name} left the cache undefined; call "
+                               "reset()")
+
     def _step_in_place(self, step: Callable[[], tuple[T, bool]]) -> T:
         """Run a policy's in-place step (writes below the length), its inputs already validated: `step()` does the
-        writes, moves the policy's own counters and returns (its result, whether positions were re-indexed).
-        An exception escaping it leaves the cache `undefined` (the writes may be half done); on success the step
-        counters move."""
+        writes, moves the counters and returns (its result, whether positions were re-indexed). An exception
+        escaping it leaves the cache `undefined` (the writes may be half done); on success the step counters
+        move."""
         self._undefined = True
         result, reindexed = step()
         self._steps += 1
@@ -341,30 +459,22 @@ class StreamCacheBase(Cache):
         self._undefined = False
         return result
 
-    def attend(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
-               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-        """The attention of `layer` for the running forward: query [B, H, T, D] at the default positions, key/value
-        as this cache's `update` returned them. Returns (output [B, T, H, D], None), as transformers' attention
-        functions do."""
-        raise NotImplementedError
-
     @contextlib.contextmanager
     def atomic(self) -> Iterator["StreamCacheBase"]:
         """All or nothing: if the block raises (any BaseException, KeyboardInterrupt included) the cache is put
-        back as it was at entry. Forwards write only past the length and move it at their last layer, so the
-        host counters (`_counters()`) are the whole state to restore: the valid slots were never touched.
+        back as it was at entry. Forwards write only past the length and move the counters at their last layer,
+        so the counters are the whole state to restore: the valid slots were never touched.
 
         Not undone: a step that completed inside the block (its in-place moves cannot be reversed; the cache
         then holds the stepped state and the exception propagates) or one that failed while writing
         (`undefined`).
         """
-        steps, saved = self._steps, self._counters()
+        saved = self.counters, self._steps, self._reindexes
         try:
             yield self
         except BaseException:
-            if not self._undefined and self._steps == steps:
-                self._restore_counters(saved)
+            if not self._undefined and self._steps == saved[1]:
+                self.counters, self._steps, self._reindexes = saved
             raise
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -1,24 +1,11 @@
-"""The policy contract of the streaming front, and the registry the front finds policies in (docs/policies.md).
+"""The policy contract of the streaming front: `StreamSetup` (everything a policy is built from, complete before the
+policy exists), `StreamPolicy` (what a policy implements) and the registry the front finds policies in
+(docs/policies.md).
 
-A policy is what the front (`hermes.stream.HermesStream`) needs to keep a stream's KV cache small: a config, a
-cache (a `hermes.cache.StreamCacheBase`) and what runs after each chunk of video is encoded. The front does
-everything else, the same way for every policy: encoding, room checks, failure atomicity, questions, threads,
-reset. Policies are registered by name (`register_policy`) and looked up by the name a stream is built with
-(`HermesStream(..., policy="h2svc")`); the built-in ones, "hermes" and "h2svc", are imported on first lookup, so
-the front imports no policy.
-
-    @register_policy
-    class MyPolicy(StreamPolicy):
-        name = "mine"
-
-        def __init__(self, stream, *, my_setting=1):
-            shape = ModelGeometry.of(stream)
-            self.cfg = ...
-            self.cache = MyCache(...)        # a StreamCacheBase subclass
-
-        def append_chunk(self, stream, chunk):
-            prefill(stream.language_model, self.cache, chunk)
-            return self.cache.my_step()
+A policy is a config, a cache (`hermes.cache.StreamCacheBase`) and `append_chunk`, what runs after each chunk of
+video is encoded; the front (`hermes.stream.HermesStream`) does the rest, the same way for every policy. Policies
+register by name (`register_policy`); the built-in ones, "hermes" and "h2svc", are imported on first lookup, so the
+front imports no policy.
 """
 from __future__ import annotations
 
@@ -28,77 +15,125 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from hermes_kernels.rope import RotaryLayout
+from hermes.models import ModelFamily, family_of
+from hermes_kernels.checks import check_positive_int
+from hermes_kernels.dispatch import check_backend
+from hermes_kernels.geometry import ModelGeometry
 
 if TYPE_CHECKING:
     from hermes.cache import StreamCacheBase
     from hermes.models import VideoChunk
-    from hermes.stream import HermesStream
 
 # the built-in policies: name -> the module that registers it (imported on first lookup)
 _BUILT_IN = {"hermes": "hermes.policies.hermes.policy", "h2svc": "hermes.policies.h2svc.policy"}
 _REGISTERED: dict[str, type["StreamPolicy"]] = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelGeometry:
-    """What a policy reads off the model and the stream to build its config and size its cache.
+def geometry_of(model: torch.nn.Module, family: ModelFamily | None = None) -> ModelGeometry:
+    """The `ModelGeometry` of a loaded model: its text config (heads, positions, RoPE base), its first attention
+    module (head dim) and the family's rotary layout."""
+    family = family or family_of(model)
+    text_config = model.config.get_text_config()
+    layers = family.language_model(model).layers
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    _, rotary = family.rotary(model)
+    return ModelGeometry(num_layers=len(layers), num_heads=text_config.num_attention_heads,
+                         num_kv_heads=text_config.num_key_value_heads, head_dim=layers[0].self_attn.head_dim,
+                         max_positions=text_config.max_position_embeddings,
+                         rope_theta=rope.get("rope_theta", getattr(text_config, "rope_theta", None)), rotary=rotary)
 
-    num_layers, num_heads, num_kv_heads, head_dim: the language model's decoder layers and attention heads.
-    dtype:         keys' and values' storage dtype (the model's).
-    max_positions: the model's max_position_embeddings.
-    prefix_len:    P, tokens of the stream's system prefix.
-    inv_freq:      [D/2] rotary inverse frequencies from the model's rotary module; rotary: the axis of
-                   each frequency pair (`RotaryLayout`), or None for 1D RoPE (`ModelFamily.rotary`).
-    layer_devices: the device of every layer (a model split with `device_map` has several).
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StreamSetup:
+    """Everything a policy is built from, checked and complete before the policy is constructed
+    (docs/policies.md#setup).
+
+    model, processor, tokenizer: the loaded model, its processor and the tokenizer questions and prompts use.
+    family:        the model's `hermes.models.ModelFamily`; language_model: its decoder stack.
+    batch_size:    B streams in lockstep; chunk_tokens: the most tokens one chunk brings; room: slots past the kept
+                   tokens and a chunk (guidance prompts, a question and its answer); frame_size: (height, width) of
+                   the processed frames, or None.
+    prefix_ids:    the system prefix's token ids (P = prefix_len of them, never evicted).
+    backend:       "auto" | "triton" | "torch": the backend of the policy's kernels.
+    geometry:      the model's `hermes_kernels.geometry.ModelGeometry`.
+    dtype:         keys' and values' storage dtype (the model's); inv_freq: [D/2] rotary inverse frequencies taken
+                   from the model's rotary module (never recomputed); layer_devices: the device of every layer.
     """
 
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    model: torch.nn.Module
+    processor: Any
+    tokenizer: Any
+    family: ModelFamily
+    language_model: torch.nn.Module
+    batch_size: int
+    chunk_tokens: int
+    room: int
+    frame_size: tuple[int, int] | None
+    prefix_ids: tuple[int, ...]
+    backend: str
+    geometry: ModelGeometry
     dtype: torch.dtype
-    max_positions: int
-    prefix_len: int
     inv_freq: torch.Tensor
-    rotary: RotaryLayout | None
-    layer_devices: list[torch.device]
+    layer_devices: tuple[torch.device, ...]
+
+    @property
+    def prefix_len(self) -> int:
+        """P: tokens of the system prefix."""
+        return len(self.prefix_ids)
 
     @classmethod
-    def of(cls, stream: "HermesStream") -> "ModelGeometry":
-        """The geometry of the stream's model (its text config, first attention module and rotary module)."""
-        text_config = stream.model.config.get_text_config()
-        layers = stream.language_model.layers
-        attention = layers[0].self_attn
-        inv_freq, rotary = stream.family.rotary(stream.model)
-        return cls(num_layers=len(layers), num_heads=text_config.num_attention_heads,
-                   num_kv_heads=text_config.num_key_value_heads, head_dim=attention.head_dim,
-                   dtype=attention.k_proj.weight.dtype, max_positions=text_config.max_position_embeddings,
-                   prefix_len=len(stream.prefix_ids), inv_freq=inv_freq, rotary=rotary,
-                   layer_devices=[layer.self_attn.k_proj.weight.device for layer in layers])
+    def build(cls, model: torch.nn.Module, processor=None, *, batch_size: int = 1, chunk_frames: int = 16,
+              chunk_tokens: int | None = None, frame_size: tuple[int, int] | None = None, room: int = 512,
+              system_prompt: str | None = None, backend: str = "auto") -> "StreamSetup":
+        """Check `HermesStream`'s own arguments (docs/stream.md) and read the model: ValueError / TypeError naming
+        the argument."""
+        family = family_of(model)
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if tokenizer is None or not callable(tokenizer):
+            raise TypeError("processor: expected the model's processor or a tokenizer (guidance prompts and "
+                            f"questions are tokenized), got {type(processor).__name__}")
+        for name, value in (("batch_size", batch_size), ("chunk_frames", chunk_frames), ("room", room)):
+            check_positive_int(name, value)
+        check_backend(backend)
+        language_model = family.language_model(model)
+        prefix_ids = tuple(tokenizer(family.prefix_text(system_prompt), add_special_tokens=False)["input_ids"])
+        if chunk_tokens is None:
+            chunk_tokens = family.tokens_per_chunk(model, chunk_frames, frame_size, tokenizer=tokenizer)
+        check_positive_int("chunk_tokens", chunk_tokens)
+        layers = language_model.layers
+        inv_freq, _ = family.rotary(model)
+        return cls(model=model, processor=processor, tokenizer=tokenizer, family=family,
+                   language_model=language_model, batch_size=batch_size, chunk_tokens=chunk_tokens, room=room,
+                   frame_size=frame_size, prefix_ids=prefix_ids, backend=backend,
+                   geometry=geometry_of(model, family), dtype=layers[0].self_attn.k_proj.weight.dtype,
+                   inv_freq=inv_freq, layer_devices=tuple(layer.self_attn.k_proj.weight.device for layer in layers))
 
 
 class StreamPolicy:
-    """A KV-cache policy behind `HermesStream` (module docstring; docs/policies.md).
+    """A KV-cache policy behind `HermesStream` (docs/policies.md).
 
-    A subclass sets `name` (the key streams are built with), takes the stream and its own keyword arguments in
-    `__init__` (the stream's `policy_args`) and sets `cfg` (its config) and `cache` (a `StreamCacheBase`), then
-    implements `append_chunk`. Everything it does inside `append_chunk` runs in the cache's `atomic()`: a failure
-    before the cache's in-place step leaves the stream as it was.
+    A subclass sets `name` (the key streams are built with); its `__init__(setup, **policy_args)` calls
+    `super().__init__(setup)` and sets `cfg` (its config) and `cache` (a `StreamCacheBase`); it implements
+    `append_chunk`. The front runs `append_chunk` inside the cache's `atomic()`: a failure before the cache's
+    in-place step leaves the stream as it was.
     """
 
     name: ClassVar[str]
     cfg: Any
     cache: "StreamCacheBase"
 
-    def append_chunk(self, stream: "HermesStream", chunk: "VideoChunk") -> Any:
-        """Store one encoded chunk in the cache and run the policy's step; return the step's result, or None when
-        no step ran. Raise ValueError before any forward when the chunk cannot be stored."""
+    def __init__(self, setup: StreamSetup):
+        self.setup = setup
+
+    def append_chunk(self, chunk: "VideoChunk", history: tuple[str | None, ...]) -> Any:
+        """Store one encoded chunk (embeds [B, T, hidden]) in the cache and run the policy's step; return the step's
+        result, or None when no step ran. `history`: each stream's last question and answer ("q a"), None before
+        the first. Raise ValueError before any forward when the chunk cannot be stored."""
         raise NotImplementedError
 
-    def guidance_scores(self, stream: "HermesStream", layers: Sequence[int] | None) -> torch.Tensor:
-        """Pooled guidance attention [L, B, V] over the cache as it is, for policies that score with a guidance
-        pass (HERMES); the others refuse."""
+    def guidance_scores(self, layers: Sequence[int] | None, history: tuple[str | None, ...]) -> torch.Tensor:
+        """Pooled guidance attention float32 [L, B, V] over the cache as it is, for policies that score with a
+        guidance pass (HERMES); the others refuse."""
         raise ValueError(f"guidance_scores: the {type(self).__name__} runs no guidance pass")
 
 

@@ -7,40 +7,21 @@
     print(stream.stats())                                      # length, positions, steps, bytes
     stream.reset()                                             # a new video, same buffers
 
-The front is one class for every policy: encoding, room checks, failure atomicity, questions, threads and reset
-are its own; the policy (`hermes.policy.StreamPolicy`, found by name in the registry) holds the config, the cache
-and what follows a chunk's prefill. Questions go through `model.generate` with the cache; afterwards the cache is
-truncated back, so question and answer never stay in the video memory, and the last question and answer are kept
-(`last_convs`: HERMES fills its guidance prompts with them, docs/hermes.md §2.3). Streams in lockstep may ask
-questions of different token lengths: the batch is left-padded and the padding hidden from every query, so each
-stream gets the answer it would get alone.
-
-Failures. `append_video`, `ask`, `next_token_logits` and `guidance_scores` are all-or-nothing: any exception
-(bad input, a vision-tower or layer failure, an out-of-memory, a KeyboardInterrupt) raised before the
-in-place step of the cache starts leaves the stream exactly as it was (length, positions, history,
-step counters, `last_step`), and the next call works as if the failed one never happened. Bad input to the
-step is caught by its validation before any write. A failure during the step's writes themselves
-(a device error, an interrupt between row moves) cannot be undone: the cache is then `undefined`, every call
-raises RuntimeError, and `reset()` starts a new video in the same buffers.
-
-Threads. Different streams on one model may be driven from different threads at once (the attention function
-finds its cache through a per-thread hand-off, `hermes.cache.claim_update`); one stream is not meant to be
-driven from two threads at once.
-
-Policies. The front talks to the policy only through `StreamPolicy` (docs/policies.md) and to its cache only
-through `hermes.cache.StreamCacheBase`; `append_video`, `ask`, `next_token_logits`, `reset` and `stats` behave the
-same under every policy, failure semantics included.
+One class for every policy: it builds the `StreamSetup` the policy is constructed from (docs/policies.md#setup),
+encodes chunks, checks room, makes every call all-or-nothing, asks questions (a ragged batch left-padded, the
+padding hidden), serves streams on several threads and resets; the policy holds the config, the cache and what
+follows a chunk's prefill. What fails how: docs/stream.md#both-policies.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
 
 from hermes.attention import patch_model
 from hermes.cache import StreamCacheBase
-from hermes.models import family_of
-from hermes.policy import StreamPolicy, get_policy
+from hermes.policy import StreamPolicy, StreamSetup, get_policy
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.dispatch import check_backend
 
@@ -72,33 +53,40 @@ class HermesStream:
     def __init__(self, model: torch.nn.Module, processor=None, *, policy: str = "hermes", batch_size: int = 1,
                  chunk_frames: int = 16, chunk_tokens: int | None = None, frame_size: tuple[int, int] | None = None,
                  room: int = 512, system_prompt: str | None = None, backend: str = "auto", **policy_args):
-        self.family = family_of(model)
-        self.tokenizer = getattr(processor, "tokenizer", processor)
-        if self.tokenizer is None or not callable(self.tokenizer):
-            raise TypeError("processor: expected the model's processor or a tokenizer (guidance prompts and "
-                            f"questions are tokenized), got {type(processor).__name__}")
-        for name, value in (("batch_size", batch_size), ("chunk_frames", chunk_frames), ("room", room)):
-            check_positive_int(name, value)
-        check_backend(backend)
-        policy_class = get_policy(policy)
-        self.model = model
-        self.processor = processor
-        self.backend = backend
-        self.batch_size = batch_size
-        self.room = room
-        self.frame_size = frame_size
-        self.language_model = self.family.language_model(model)
-        self.prefix_ids = self._encode(self.family.prefix_text(system_prompt))
-        if chunk_tokens is None:
-            chunk_tokens = self.family.tokens_per_chunk(model, chunk_frames, frame_size, tokenizer=self.tokenizer)
-        self.chunk_tokens = check_positive_int("chunk_tokens", chunk_tokens)
-        self.last_convs: list[str | None] = [None] * batch_size
-        self.last_step: Any = None
-        self.policy: StreamPolicy = policy_class(self, **policy_args)
+        # everything the policy is built from, checked and complete before it exists (docs/policies.md#setup)
+        self.setup = StreamSetup.build(model, processor, batch_size=batch_size, chunk_frames=chunk_frames,
+                                       chunk_tokens=chunk_tokens, frame_size=frame_size, room=room,
+                                       system_prompt=system_prompt, backend=backend)
+        self.policy: StreamPolicy = get_policy(policy)(self.setup, **policy_args)
         self.cfg = self.policy.cfg
         self.cache: StreamCacheBase = self.policy.cache
+        self.last_convs: list[str | None] = [None] * batch_size
+        self.last_step: Any = None
         patch_model(model)
         self.reset()
+
+    # ---- what the stream was built with (its `StreamSetup`) ---------------------------------------------------
+    model = property(lambda self: self.setup.model)
+    processor = property(lambda self: self.setup.processor)
+    tokenizer = property(lambda self: self.setup.tokenizer)
+    family = property(lambda self: self.setup.family)
+    language_model = property(lambda self: self.setup.language_model)
+    batch_size = property(lambda self: self.setup.batch_size)
+    chunk_tokens = property(lambda self: self.setup.chunk_tokens)
+    room = property(lambda self: self.setup.room)
+    frame_size = property(lambda self: self.setup.frame_size)
+    prefix_ids = property(lambda self: self.setup.prefix_ids)
+
+    @property
+    def backend(self) -> str:
+        """The backend of the policy's kernels; settable between calls (the stream and its policy then hold a
+        setup with the new backend)."""
+        return self.setup.backend
+
+    @backend.setter
+    def backend(self, backend: str) -> None:
+        check_backend(backend)
+        self.setup = self.policy.setup = dataclasses.replace(self.setup, backend=backend)
 
     # ---- public API ---------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -130,7 +118,7 @@ class HermesStream:
                 raise ValueError(f"video: the chunk has {count} visual tokens, the cache was sized for chunks of "
                                  f"at most chunk_tokens={self.chunk_tokens}")
             with self.cache.atomic():
-                result = self.policy.append_chunk(self, chunk)
+                result = self.policy.append_chunk(chunk, tuple(self.last_convs))
         if result is not None:
             self.last_step = result
         return result
@@ -165,7 +153,7 @@ class HermesStream:
         (default: the layers the policy reads). A copy; the cache is unchanged. HERMES only."""
         self._check_usable()
         with torch.no_grad(), self.cache.atomic():
-            return self.policy.guidance_scores(self, layers)
+            return self.policy.guidance_scores(layers, tuple(self.last_convs))
 
     def stats(self) -> dict:
         """length, capacity, positions (smallest, largest), steps, reindexes, bytes_allocated."""
@@ -173,9 +161,7 @@ class HermesStream:
 
     def check_room(self, count: int) -> None:
         """ValueError unless `count` more tokens fit past the cache's length."""
-        if count > self.cache.room():
-            raise ValueError(f"room: {count} more tokens do not fit (length {self.cache.length}, capacity "
-                             f"{self.cache.capacity}); raise room")
+        self.cache.check_room(count)
 
     # ---- helpers ----------------------------------------------------------------------------------------
     def _device(self) -> torch.device:

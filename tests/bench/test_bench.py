@@ -68,13 +68,14 @@ def test_synthetic_positions_look_like_a_streamed_cache(shape_name):
     spec = Spec(shape=SHAPES[shape_name], budget=300, chunk_frames=2, dtype=torch.float32,
                 device=torch.device("cpu"))
     pos = inputs.visual_positions(spec, torch.Generator().manual_seed(3))
-    L, P, N = spec.shape.num_layers, spec.prefix_len, spec.num_tokens
-    axes = pos.unsqueeze(2) if spec.shape.mrope_section is None else pos
-    assert axes.shape == (L, 1, 1 if spec.shape.mrope_section is None else 3, N)
+    L, P, N = spec.shape.geometry.num_layers, spec.prefix_len, spec.num_tokens
+    mrope = spec.shape.geometry.mrope
+    axes = pos if mrope else pos.unsqueeze(2)
+    assert axes.shape == (L, 1, 3 if mrope else 1, N)
     assert torch.equal(axes[..., :P], torch.arange(P).expand(L, 1, axes.shape[2], P))
     t = axes[:, :, 0, P:]
     step = t.diff(dim=-1)
-    if spec.shape.mrope_section is None:
+    if not mrope:
         assert (step >= 1).all() and (step > 1).any(), "visual positions must increase, with gaps"
     else:
         assert (step >= 0).all() and (step > 1).any(), "frame times must not decrease, with gaps"

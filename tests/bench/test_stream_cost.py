@@ -23,11 +23,12 @@ def test_real_widths_match_the_shape_registry(name):
         model = width.model_class._from_config(config)
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    geometry = shape.geometry
     assert (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, head_dim) == \
-        (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
-    assert text.max_position_embeddings == shape.max_positions
+        (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
+    assert text.max_position_embeddings == geometry.max_positions
     rope = text.rope_parameters
-    assert rope["rope_theta"] == shape.rope_theta
+    assert rope["rope_theta"] == geometry.rope_theta
     assert (tuple(rope["mrope_section"]) if "mrope_section" in rope else None) == _sections(shape)
     family = family_of(model)
     assert family.tokens_per_frame(model, width.frame_size) == 196
@@ -39,7 +40,7 @@ def test_real_widths_match_the_shape_registry(name):
 
 
 def _sections(shape):
-    return None if shape.mrope_section is None else tuple(shape.mrope_section)
+    return tuple(shape.geometry.rotary.counts) if shape.geometry.mrope else None
 
 
 @pytest.mark.parametrize("family", ["llava_ov", "qwen2_5_vl"])

@@ -96,7 +96,7 @@ def test_row_moves_are_16_byte_vectors(guard):
 
 def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
     cases = [c for c in guard_module.spec_cases() if isinstance(c, HermesCase)]
-    seen = {(c.dtype, c.rotary.kind, c.head_dim) for c in cases}
+    seen = {(c.dtype, c.rotary.kind, c.geometry.head_dim) for c in cases}
     assert seen == {(dtype, kind, dim) for dtype in DTYPES for kind, dim in ROPE_DIMS}
     assert {c.rotary.kind for c in cases if c.label.startswith("qwen3-vl-8b ")} == {"interleaved"}
     for model in HEADLINE:
@@ -107,7 +107,7 @@ def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
 
 def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
     cases = [c for c in guard_module.spec_cases() if isinstance(c, H2SVCCase)]
-    seen = {(c.dtype, c.rotary.kind, c.head_dim, c.reindexing) for c in cases}
+    seen = {(c.dtype, c.rotary.kind, c.geometry.head_dim, c.reindexing) for c in cases}
     assert seen == {(dtype, kind, dim, reindex) for dtype in DTYPES for kind, dim in ROPE_DIMS
                     for reindex in (False, True)}
     for model in HEADLINE:

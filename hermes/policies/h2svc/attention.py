@@ -73,7 +73,7 @@ def class_attention(module: torch.nn.Module, cache, layer: int, query: torch.Ten
     """Attention of `layer` over the class blocks of an `H2SVCCache` (module docstring).
 
     query: [B, H, T, D] at the default positions the model ran with (rotated here to the true ones). The keys
-    and values of the incoming tokens are already in the blocks (`H2SVCCache.update`). Returns (output
+    and values of the incoming tokens are already in the blocks (`H2SVCCache.write`). Returns (output
     [B, T, H, D], None), as transformers' attention functions do.
     """
     delta = cache.incoming_delta(layer).unsqueeze(1)  # [B, 1, T] or [B, 1, 3, T]: the same for every head

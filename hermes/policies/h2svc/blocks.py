@@ -9,7 +9,7 @@ slice together with the layer's KV heads and query heads it serves (GQA groups o
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -64,10 +64,11 @@ def head_index(heads: list[int], device: torch.device) -> slice | torch.Tensor:
 
 def allocate_blocks(cfg: H2SVCConfig, runs: Sequence[tuple[torch.device, int, int]], classes: Sequence[int],
                     capacities: Sequence[int], *, batch_size: int, head_dim: int, dtype: torch.dtype, mrope: bool,
-                    inv_freq: torch.Tensor) -> list[Block]:
+                    inv_freq: torch.Tensor, allocate: Callable) -> list[Block]:
     """One zeroed block per non-empty class (`classes`) and layer run (device, first, end) with rows there, in run
     order: keys and values [n, B, capacity_c, D] in `dtype`, positions int64 [n, B, (3,) capacity_c], slot frames
-    int64 [n, B, W_c] (all -1) and, for EPISODIC, features [n, B, W_c, D] (float32; float64 for a float64 cache)."""
+    int64 [n, B, W_c] (all -1) and, for EPISODIC, features [n, B, W_c, D] (float32; float64 for a float64 cache).
+    `allocate(shape, dtype, device, fill)` makes each buffer (the cache's `allocate`, which counts them)."""
     blocks = []
     for device, first, end in runs:
         for cls in classes:
@@ -78,13 +79,13 @@ def allocate_blocks(cfg: H2SVCConfig, runs: Sequence[tuple[torch.device, int, in
             features = None
             if cls == EPISODIC:
                 work = torch.float64 if dtype == torch.float64 else torch.float32
-                features = torch.zeros((n, B, W, D), dtype=work, device=device)
+                features = allocate((n, B, W, D), dtype=work, device=device, fill=0)
             blocks.append(Block(cls=cls, device=device, layers=range(first, end), rows=range(lo, hi),
-                                keys=torch.zeros((n, B, C, D), dtype=dtype, device=device),
-                                values=torch.zeros((n, B, C, D), dtype=dtype, device=device),
-                                positions=torch.zeros((n, B) + ((3,) if mrope else ()) + (C,), dtype=torch.int64,
-                                                      device=device),
-                                slot_frames=torch.full((n, B, W), -1, dtype=torch.int64, device=device),
+                                keys=allocate((n, B, C, D), dtype=dtype, device=device, fill=0),
+                                values=allocate((n, B, C, D), dtype=dtype, device=device, fill=0),
+                                positions=allocate((n, B) + ((3,) if mrope else ()) + (C,), dtype=torch.int64,
+                                                   device=device, fill=0),
+                                slot_frames=allocate((n, B, W), dtype=torch.int64, device=device, fill=-1),
                                 features=features, inv_freq=inv_freq.detach().to(device)))
     return blocks
 

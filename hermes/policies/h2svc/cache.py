@@ -20,7 +20,7 @@ the model's default positions run on); `room()` is what still fits in every clas
 Positions (docs/h2svc.md §4). Incoming tokens get one position per token, shared by all heads of all layers: a chunk
 starts at the stream's next position R (a host int: the largest position so far + 1, or the right-aligned end
 after a re-index) plus the family's offsets; text after the video continues from R, then from its own largest
-position. The model runs at the default positions `length + i`; `update` rotates the incoming keys by
+position. The model runs at the default positions `length + i`; `write` rotates the incoming keys by
 (true − default) before storing them and the attention function rotates the queries the same way
 (`incoming_delta`), as HERMES does (docs/hermes.md §2.8).
 
@@ -57,6 +57,23 @@ from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 from .attention import class_attention
 from .blocks import CLASSES, LayerPart, allocate_blocks, class_capacity, layer_parts
 
+
+@dataclasses.dataclass(frozen=True)
+class ClassCounters:
+    """The host state of an `H2SVCCache` (what `atomic()` restores): `prefix` tokens stored, frames `held` per class
+    (INSTANT, SHORT, EPISODIC), the `arrived` frames of a chunk awaiting its step and that chunk's largest offset
+    (`pending_extent`), `text` tokens after the video, frames stepped so far (`frames_seen`) and R, the position
+    the next chunk starts at (`next_position`)."""
+
+    prefix: int = 0
+    held: tuple[int, ...] = (0,) * len(CLASSES)
+    arrived: int = 0
+    pending_extent: int = 0
+    text: int = 0
+    frames_seen: int = 0
+    next_position: int = 0
+
+
 @dataclasses.dataclass(kw_only=True)
 class ClassForward(Forward):
     """A forward through the class blocks (`Forward`'s `start` is a virtual slot: the default positions):
@@ -67,6 +84,11 @@ class ClassForward(Forward):
     frames: int
     extent: int
     delta: dict
+
+    @property
+    def hidden_start(self) -> tuple[int, ...]:
+        # the padding of a question batch starts at every class's own length
+        return self.starts
 
 
 class H2SVCCache(StreamCacheBase):
@@ -82,7 +104,7 @@ class H2SVCCache(StreamCacheBase):
                         capacity formula adds both).
         dtype:          storage dtype of keys/values (the model's).
         inv_freq:       [D/2] rotary inverse frequencies taken from the model's rotary module.
-        rotary:  which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
+        rotary:         which position axis turns each frequency pair: a `RotaryLayout` (Qwen2.5-VL's contiguous
                         sections, Qwen3-VL's interleaved ones), three contiguous pair counts (t, h, w), or None
                         for 1D RoPE; stored as the `RotaryLayout` (`self.rotary`, 1D included).
         layer_devices:  the device of every layer (default: inv_freq's); stack_bounds: extra block boundaries
@@ -105,36 +127,33 @@ class H2SVCCache(StreamCacheBase):
                              f"{cfg.num_kv_heads} KV heads")
         if dtype not in CACHE_DTYPES:
             raise TypeError(f"dtype: expected a floating dtype for keys and values, got {dtype}")
+        super().__init__(num_layers=cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads,
+                         head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=ClassCounters())
         self.cfg = cfg
         self.num_heads = num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = head_dim
         self.dtype = dtype
         self.chunk_frames = chunk_frames
         self.capacities = tuple(class_capacity(cfg, c, chunk_frames, room) for c in CLASSES)
-        self._init_stream(cfg.num_layers, batch_size, rotary, head_dim)
         self.classes = tuple(c for c in CLASSES if cfg.num_rows(c))  # the non-empty classes
         self.blocks = allocate_blocks(cfg, runs, self.classes, self.capacities, batch_size=batch_size,
-                                      head_dim=head_dim, dtype=dtype, mrope=self.mrope, inv_freq=inv_freq)
+                                      head_dim=head_dim, dtype=dtype, mrope=self.mrope, inv_freq=inv_freq,
+                                      allocate=self.allocate)
         self._parts = layer_parts(cfg, self.blocks, num_heads)
         self._devices = list(dict.fromkeys(block.device for block in self.blocks))
-        self.reset()
+        self._chunk: tuple[int, int] | None = None  # (frames, extent) of the context's first forward, a chunk
 
     # ---- sizes -------------------------------------------------------------------------------------------
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
     def class_length(self, cls) -> int:
         """Valid token slots in every row of class `cls`: prefix + (held + arrived)·T_f + text."""
-        c = class_id(cls)
-        return self._prefix + (self._held[c] + self._arrived) * self.cfg.tokens_per_frame + self._text
+        c, n = class_id(cls), self.counters
+        return n.prefix + (n.held[c] + n.arrived) * self.cfg.tokens_per_frame + n.text
 
     @property
     def length(self) -> int:
         """The sequence length transformers sees: the largest class length (module docstring)."""
-        frames = max(self._held[c] for c in self.classes) + self._arrived
-        return self._prefix + frames * self.cfg.tokens_per_frame + self._text
+        n = self.counters
+        frames = max(n.held[c] for c in self.classes) + n.arrived
+        return n.prefix + frames * self.cfg.tokens_per_frame + n.text
 
     @property
     def capacity(self) -> int:
@@ -148,34 +167,22 @@ class H2SVCCache(StreamCacheBase):
     @property
     def held(self) -> dict:
         """Frames held per class name (classes without heads included, at 0)."""
-        return {CLASS_NAMES[c]: self._held[c] for c in CLASSES}
+        return {CLASS_NAMES[c]: self.counters.held[c] for c in CLASSES}
 
     @property
     def frames_seen(self) -> int:
         """Frames of the stream stepped so far (the next chunk's first frame index)."""
-        return self._frames_seen
+        return self.counters.frames_seen
 
     @property
     def next_position(self) -> int:
         """R: the position the next chunk starts at (host int)."""
-        return self._next_position
-
-    @property
-    def _home_device(self) -> torch.device:
-        return self.blocks[0].device
-
-    def nbytes(self) -> int:
-        """Bytes held by the preallocated buffers (keys, values, positions, slot frames, features)."""
-        return sum(self.class_nbytes().values())
+        return self.counters.next_position
 
     def class_nbytes(self) -> dict:
         """Bytes of every class's buffers over all devices, by class name."""
         return {CLASS_NAMES[c]: sum(t.numel() * t.element_size() for b in self.blocks if b.cls == c
                                     for t in b.buffers()) for c in CLASSES}
-
-    def data_ptrs(self) -> list[int]:
-        """Storage addresses of every buffer; they never change after construction."""
-        return [t.data_ptr() for block in self.blocks for t in block.buffers()]
 
     # ---- views ----------------------------------------------------------------------------------------
     def layer_parts(self, layer: int) -> list[LayerPart]:
@@ -222,12 +229,20 @@ class H2SVCCache(StreamCacheBase):
         raise NotImplementedError("H2SVCCache: a layer's heads live in per-class blocks of different lengths; read "
                                   "them with class_values(cls, layer)")
 
-    def position_range(self) -> tuple[int, int]:
-        """(smallest, largest) valid position over all rows, streams and axes; (0, -1) when empty."""
-        if self.length == 0:
-            return 0, -1
-        spans = [b.positions[..., :self.class_length(b.cls)] for b in self.blocks]
-        return int(min(s.min().item() for s in spans)), int(max(s.max().item() for s in spans))
+    def contents(self) -> dict[str, torch.Tensor]:
+        """Per layer and class with heads there: valid keys, values [B, n, N_c, D], positions [B, n, N_c] /
+        [B, n, 3, N_c], the slot frames [B, n, W_c] and (EPISODIC) the held slots' features [B, n, held, D]."""
+        views = {}
+        for layer in range(self.num_layers):
+            for part in self._parts[layer]:
+                name = f"layer {layer} {CLASS_NAMES[part.cls]}"
+                views[f"{name} keys"] = self.class_keys(part.cls, layer)
+                views[f"{name} values"] = self.class_values(part.cls, layer)
+                views[f"{name} positions"] = self.class_positions(part.cls, layer)
+                views[f"{name} slot_frames"] = self.class_slot_frames(part.cls, layer)
+                if part.cls == EPISODIC:
+                    views[f"{name} features"] = self.class_features(layer)[:, :, :self.counters.held[EPISODIC]]
+        return views
 
     # ---- writing ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -248,48 +263,54 @@ class H2SVCCache(StreamCacheBase):
                 raise ValueError("frames: a chunk is stored whole (no read_only, keep or left_padding)")
         with super().forward_context(rel_positions, read_only=read_only, keep=keep, left_padding=left_padding):
             self._chunk = (frames, extent) if frames is not None else None
-            yield self
+            try:
+                yield self
+            finally:
+                self._chunk = None
 
-    def _end_context(self) -> None:
-        self._chunk = None
-
-    def _hidden_start(self) -> tuple[int, ...]:
-        # the padding of a question batch starts at every class's own length
-        return tuple(self.class_length(c) if c in self.classes else 0 for c in CLASSES)
-
-    def _begin_forward(self, key_states: torch.Tensor) -> ClassForward:
-        self._check_defined("step")
-        count = self._incoming_count(key_states)
+    def begin_forward(self, count: int, rel_positions: torch.Tensor | None, stored: int) -> ClassForward:
+        """Check the forward (a chunk of whole frames after the held ones, the prefix on an empty cache, or text
+        that fits every class) and write its true positions into every block (docs/h2svc.md §4)."""
+        n = self.counters
         chunk, self._chunk = self._chunk, None  # only the context's first forward is the chunk
-        if self._arrived:
+        if n.arrived:
             raise RuntimeError("H2SVCCache: a chunk's frames await their step(); run it before the next forward")
         P, T_f = self.cfg.prefix_len, self.cfg.tokens_per_frame
         if chunk is not None:
-            if self._prefix == 0 or self._text:
+            if n.prefix == 0 or n.text:
                 raise ValueError("frames: a chunk goes right after the held frames: the prefix must be stored and "
-                                 f"no text after the video (text tokens: {self._text})")
+                                 f"no text after the video (text tokens: {n.text})")
             if count != chunk[0] * T_f:
                 raise ValueError(f"key_states: a chunk of {chunk[0]} frames has {chunk[0] * T_f} tokens "
                                  f"(tokens_per_frame={T_f}), got {count}")
         elif self.room() < count:
             raise ValueError(f"key_states: {count} incoming tokens do not fit: {self.room()} slots left in the "
                              f"fullest class (length {self.length})")
-        elif self._prefix == 0 and count != P:
+        elif n.prefix == 0 and count != P:
             raise ValueError(f"key_states: the first forward on an empty cache is the prefix of prefix_len={P} "
                              f"tokens, got {count}")
-        rel, stored = self._take_context(count)
-        if self._prefix == 0 and (rel is not None or stored not in (0, count)):
+        if n.prefix == 0 and (rel_positions is not None or stored not in (0, count)):
             raise ValueError("rel_positions: the prefix is stored whole at positions 0 .. P-1 (rel_positions=None)")
         starts = tuple(self.class_length(c) if c in self.classes else 0 for c in CLASSES)
-        new = self._incoming_positions(count, rel)
+        new = self._incoming_positions(count, rel_positions)
         delta = new - (self.length + torch.arange(count, device=new.device))  # true - default
-        forward = ClassForward(start=self.length, count=count, stored=stored, starts=starts,
-                           frames=0 if chunk is None else chunk[0], extent=0 if chunk is None else chunk[1],
-                           delta={device: delta.to(device) for device in self._devices})
+        frames, extent = (0, 0) if chunk is None else chunk
         for block in self.blocks:
             start = starts[block.cls]
             block.positions[..., start:start + count] = new.to(block.device)  # [B, (3,) T] over every row
-        return forward
+        return ClassForward(start=self.length, count=count, stored=stored, starts=starts, frames=frames,
+                            extent=extent, delta={device: delta.to(device) for device in self._devices},
+                            after=self._after(frames, extent, stored))
+
+    def _after(self, frames: int, extent: int, stored: int) -> ClassCounters:
+        """The counters once a forward's last layer has stored it: a chunk awaits its step, the prefix sets R,
+        text adds to the text."""
+        n = self.counters
+        if frames:
+            return dataclasses.replace(n, arrived=frames, pending_extent=extent)
+        if n.prefix == 0:
+            return dataclasses.replace(n, prefix=stored, next_position=stored) if stored else n
+        return dataclasses.replace(n, text=n.text + stored)
 
     def _incoming_positions(self, count: int, rel: torch.Tensor | None) -> torch.Tensor:
         """True positions int64 [B, T] ([B, 3, T] M-RoPE) of the incoming tokens (docs/h2svc.md §4): from R for a chunk,
@@ -300,52 +321,32 @@ class H2SVCCache(StreamCacheBase):
             rel = torch.arange(count, device=device)
             rel = rel.expand(3, count) if self.mrope else rel
         rel = rel.to(device)
-        if self._text == 0:
-            base = torch.full((B,), self._next_position, dtype=torch.int64, device=device)
+        text = self.counters.text
+        if text == 0:
+            base = torch.full((B,), self.counters.next_position, dtype=torch.int64, device=device)
         else:  # text after text (decode steps): every class holds the same text; read one row of the first block
             block = self.blocks[0]
             length = self.class_length(block.cls)
-            base = block.positions[0, ..., length - self._text:length].reshape(B, -1).amax(dim=-1) + 1
+            base = block.positions[0, ..., length - text:length].reshape(B, -1).amax(dim=-1) + 1
         lead = (slice(None),) + ((None,) if self.mrope else ()) + (None,)
         return base[lead] + rel
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
-               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate the incoming keys [B, Hkv, T, D] of layer `layer_idx` to their true positions and write keys and
-        values into each class block's rows of that layer; return the incoming tensors themselves (the attention
-        function claims them and attends over the class blocks)."""
-        fwd = self._forward_at(layer_idx, key_states)
-        count = fwd.count
+    def write(self, forward: ClassForward, layer: int, key_states: torch.Tensor,
+              value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the incoming keys [B, Hkv, T, D] of `layer` to their true positions and write keys and values into
+        each class block's rows of that layer; return the incoming tensors themselves (the attention function
+        claims them and attends over the class blocks)."""
+        count = forward.count
         rotated = None
-        for part in self._parts[layer_idx]:
+        for part in self._parts[layer]:
             block = part.block
             if rotated is None:
-                rotated = apply_rotary_delta(key_states, fwd.delta[block.device].unsqueeze(1), block.inv_freq,
+                rotated = apply_rotary_delta(key_states, forward.delta[block.device].unsqueeze(1), block.inv_freq,
                                              self.rotary)
-            start = fwd.starts[part.cls]
+            start = forward.starts[part.cls]
             block.keys[part.rows, :, start:start + count] = rotated[:, part.kv_heads].transpose(0, 1)
             block.values[part.rows, :, start:start + count] = value_states[:, part.kv_heads].transpose(0, 1)
-        self._hand_off(layer_idx, key_states)
-        if layer_idx == self.cfg.num_layers - 1:
-            self._commit(fwd)
         return key_states, value_states
-
-    def _commit(self, fwd: ClassForward) -> None:
-        """Move the host counters after a forward's last layer."""
-        if fwd.frames:
-            self._arrived, self._pending_extent = fwd.frames, fwd.extent
-        elif self._prefix == 0:
-            if fwd.stored:
-                self._prefix, self._next_position = fwd.stored, fwd.stored
-        else:
-            self._text += fwd.stored
-
-    @property
-    def current_forward(self) -> ClassForward:
-        """The running forward (its class start slots, chunk frames, masks); RuntimeError outside one."""
-        if self._forward is None:
-            raise RuntimeError("H2SVCCache: no forward is running")
-        return self._forward
 
     def incoming_delta(self, layer: int) -> torch.Tensor:
         """int64 [B, T] (or [B, 3, T]) rotation of the running forward's tokens: true − default, the same in every
@@ -369,34 +370,18 @@ class H2SVCCache(StreamCacheBase):
 
     def truncate(self, length: int) -> None:
         """Forget text from `length` on (a question and its answer); the video (prefix and frames) stays."""
-        video = self.length - self._text
+        video = self.length - self.counters.text
         if not isinstance(length, int) or isinstance(length, bool) or not video <= length <= self.length:
             raise ValueError(f"length: expected an int in [{video}, {self.length}] (only the text after the video "
                              f"can be dropped), got {length!r}")
-        self._text = length - video
+        self.counters = dataclasses.replace(self.counters, text=length - video)
 
     def reset(self) -> None:
-        """Empty the cache (no prefix, no frames, counters 0, `undefined` cleared); the buffers stay allocated."""
+        """Empty the cache (no prefix, no frames, counters 0, `undefined` cleared, every slot frame −1); the buffers
+        stay allocated."""
         for block in self.blocks:
             block.slot_frames.fill_(-1)
-        self._prefix = 0
-        self._held = [0] * len(CLASSES)
-        self._arrived = 0
-        self._pending_extent = 0
-        self._text = 0
-        self._frames_seen = 0
-        self._next_position = 0
-        self._chunk = None
-        self._reset_stream()
-
-    def _counters(self) -> tuple:
-        return (self._prefix, tuple(self._held), self._arrived, self._pending_extent, self._text,
-                self._frames_seen, self._next_position, self._steps, self._reindexes)
-
-    def _restore_counters(self, saved: tuple) -> None:
-        (self._prefix, held, self._arrived, self._pending_extent, self._text, self._frames_seen,
-         self._next_position, self._steps, self._reindexes) = saved
-        self._held = list(held)
+        super().reset()
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self, backend: str = "auto") -> H2SVCChunkResult:
@@ -406,15 +391,16 @@ class H2SVCCache(StreamCacheBase):
         Every block is checked before the first one is written (ValueError/TypeError, cache untouched); an
         exception after that leaves the cache `undefined`.
         """
-        self._check_defined("step")
-        if not self._arrived:
+        self._check_defined()
+        n = self.counters
+        if not n.arrived:
             raise ValueError("step: no chunk awaits a step (prefill one with forward_context(frames=...))")
         check_backend(backend)
-        cfg, F, first = self.cfg, self._arrived, self._frames_seen
-        largest = self._next_position + self._pending_extent  # the chunk's largest position (host)
+        cfg, F, first = self.cfg, n.arrived, n.frames_seen
+        largest = n.next_position + n.pending_extent  # the chunk's largest position (host)
         reindex = cfg.needs_reindex(largest)
         # a class without heads holds nothing (its count stays 0, as `held` reports it)
-        held_after = [min(cfg.window(c), self._held[c] + F) if c in self.classes else 0 for c in CLASSES]
+        held_after = tuple(min(cfg.window(c), n.held[c] + F) if c in self.classes else 0 for c in CLASSES)
         # R (§4): every row's retained frames end at R - 1 after a re-index, R - 1 >= the largest one held
         next_position = cfg.prefix_len + max(held_after[c] for c in self.classes) * cfg.tokens_per_frame
         clock = StreamClock(held=0, num_frames=F, first_frame=first, reindexed=torch.tensor(reindex),
@@ -423,26 +409,23 @@ class H2SVCCache(StreamCacheBase):
         for block in self.blocks:
             args = (block.keys, block.values, block.positions, block.slot_frames, cfg, block.cls, block.inv_freq,
                     self.rotary)
-            block_clock = clock.at(self._held[block.cls])
+            block_clock = clock.at(n.held[block.cls])
             check_h2svc_step(*args, block_clock, block.features)
             calls.append((args, block_clock, block.features))
+        after = dataclasses.replace(n, held=held_after, arrived=0, pending_extent=0, frames_seen=first + F,
+                                    next_position=next_position if reindex else largest + 1)
 
         def step() -> tuple[H2SVCChunkResult, bool]:
             for args, block_clock, features in calls:
                 hk.h2svc_step(*args, clock=block_clock, features=features, backend=backend)
-            self._held = held_after
-            self._arrived = self._pending_extent = 0
-            self._frames_seen += F
-            self._next_position = next_position if reindex else largest + 1
+            self.counters = after
             return H2SVCChunkResult(first_frame=first, num_frames=F, held=self.held, reindexed=clock.reindexed,
-                                    next_position=self._next_position), reindex
+                                    next_position=after.next_position), reindex
 
         return self._step_in_place(step)
 
     def stats(self) -> dict:
         """length, capacity, positions (smallest, largest), steps, reindexes, bytes_allocated (as HERMES), plus
         frames_seen, held (frames per class name), next_position and bytes_per_class."""
-        return {"length": self.length, "capacity": self.capacity, "positions": self.position_range(),
-                "steps": self._steps, "reindexes": self._reindexes, "bytes_allocated": self.nbytes(),
-                "frames_seen": self._frames_seen, "held": self.held, "next_position": self._next_position,
-                "bytes_per_class": self.class_nbytes()}
+        return {**super().stats(), "frames_seen": self.frames_seen, "held": self.held,
+                "next_position": self.next_position, "bytes_per_class": self.class_nbytes()}

@@ -16,7 +16,7 @@ import warnings
 
 from hermes.cache import prefill
 from hermes.models import VideoChunk
-from hermes.policy import ModelGeometry, StreamPolicy, register_policy
+from hermes.policy import StreamPolicy, StreamSetup, register_policy
 from hermes_kernels.policies.h2svc.config import H2SVCConfig
 from hermes_kernels.results import H2SVCChunkResult
 
@@ -47,17 +47,18 @@ class H2SVCPolicy(StreamPolicy):
 
     name = "h2svc"
 
-    def __init__(self, stream, *, head_map=None, tokens_per_frame: int | None = None, **overrides):
-        model, shape = stream.model, ModelGeometry.of(stream)
+    def __init__(self, setup: StreamSetup, *, head_map=None, tokens_per_frame: int | None = None, **overrides):
+        super().__init__(setup)
+        model, geometry, P = setup.model, setup.geometry, setup.prefix_len
         try:
-            frame_tokens = stream.family.tokens_per_frame(model, stream.frame_size, tokenizer=stream.tokenizer)
+            frame_tokens = setup.family.tokens_per_frame(model, setup.frame_size, tokenizer=setup.tokenizer)
         except ValueError:  # Qwen-VL without frame_size: tokens_per_frame (or the config) must say it
             frame_tokens = None
         if isinstance(head_map, H2SVCConfig):
             if overrides or tokens_per_frame is not None:
                 raise TypeError("head_map: pass an H2SVCConfig alone, or a map with tokens_per_frame / overrides")
             config = head_map
-            expected = (shape.num_layers, shape.num_kv_heads, shape.prefix_len, frame_tokens or config.tokens_per_frame)
+            expected = (geometry.num_layers, geometry.num_kv_heads, P, frame_tokens or config.tokens_per_frame)
             got = (config.num_layers, config.num_kv_heads, config.prefix_len, config.tokens_per_frame)
             if got != expected:
                 raise ValueError(f"head_map: the H2SVCConfig has (layers, KV heads, prefix_len, tokens_per_frame) = "
@@ -65,24 +66,24 @@ class H2SVCPolicy(StreamPolicy):
         else:
             if tokens_per_frame is None:
                 tokens_per_frame = frame_tokens if frame_tokens is not None else \
-                    stream.family.tokens_per_frame(model, stream.frame_size, tokenizer=stream.tokenizer)  # raises
-            overrides.setdefault("max_positions", shape.max_positions)
-            config = H2SVCConfig.preset(stream.family.preset_name, shape.num_layers, shape.num_kv_heads,
-                                        shape.prefix_len, tokens_per_frame=tokens_per_frame,
-                                        head_map=self._head_map(head_map, model), **overrides)
+                    setup.family.tokens_per_frame(model, setup.frame_size, tokenizer=setup.tokenizer)  # raises
+            overrides.setdefault("max_positions", geometry.max_positions)
+            config = H2SVCConfig.preset(setup.family.preset_name, geometry.num_layers, geometry.num_kv_heads, P,
+                                        tokens_per_frame=tokens_per_frame, head_map=self._head_map(head_map, model),
+                                        **overrides)
         if not config.profiled:
             warnings.warn("head_map: not profiled; using the default map (seed's ratios by layer depth: the lowest "
                           "heads instant, then short, the top episodic). Profile the model with python -m "
                           "hermes.policies.h2svc.profile and pass head_map=PATH", stacklevel=3)
-        chunk_frames = stream.chunk_tokens // config.tokens_per_frame
+        chunk_frames = setup.chunk_tokens // config.tokens_per_frame
         if chunk_frames < 1:
-            raise ValueError(f"chunk_tokens: {stream.chunk_tokens} tokens hold no whole frame of "
+            raise ValueError(f"chunk_tokens: {setup.chunk_tokens} tokens hold no whole frame of "
                              f"tokens_per_frame={config.tokens_per_frame}")
         self.cfg = config
         self.cache = H2SVCCache(
-            config, batch_size=stream.batch_size, num_heads=shape.num_heads, head_dim=shape.head_dim,
-            chunk_frames=chunk_frames, room=stream.room, dtype=shape.dtype, inv_freq=shape.inv_freq,
-            rotary=shape.rotary, layer_devices=shape.layer_devices)
+            config, batch_size=setup.batch_size, num_heads=geometry.num_heads, head_dim=geometry.head_dim,
+            chunk_frames=chunk_frames, room=setup.room, dtype=setup.dtype, inv_freq=setup.inv_freq,
+            rotary=geometry.rotary, layer_devices=setup.layer_devices)
 
     @staticmethod
     def _head_map(head_map, model):
@@ -94,13 +95,13 @@ class H2SVCPolicy(StreamPolicy):
             return head_map.head_map
         return head_map
 
-    def append_chunk(self, stream, chunk: VideoChunk) -> H2SVCChunkResult:
+    def append_chunk(self, chunk: VideoChunk, history: tuple[str | None, ...]) -> H2SVCChunkResult:
         """Prefill `chunk` as a chunk of frames (frame-window masks, `hermes.policies.h2svc.attention`), then one step
         over every class block. ValueError before any forward when its frames are not of the configured size."""
         count, T_f = chunk.embeds.shape[1], self.cfg.tokens_per_frame
         if count != chunk.frames * T_f:
             raise ValueError(f"video: the chunk has {count} tokens in {chunk.frames} frames; the H2SVC cache was built "
                              f"for frames of tokens_per_frame={T_f} (frame_size)")
-        prefill(stream.language_model, self.cache, chunk, frames=chunk.frames, extent=chunk.extent)
-        return self.cache.step(backend=stream.backend)
+        prefill(self.setup.language_model, self.cache, chunk, frames=chunk.frames, extent=chunk.extent)
+        return self.cache.step(backend=self.setup.backend)
 

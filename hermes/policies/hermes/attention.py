@@ -8,9 +8,9 @@
     part in `cache.guidance_attn`. On its own the pass stops the forward after the last layer that needs a
     score; fused into a chunk's prefill (docs/hermes.md §4) the chunk's rows go through (c) exactly as in a plain
     forward (their own call, their own mask) and the prompts' rows, which follow them, are computed apart;
-(c) otherwise calls the model's own attention (`hermes.attention.model_attention`), with a bottom-right causal
-    mask when queries follow cached keys and the padding slots of a ragged question batch hidden
-    (`hidden_keys`; sdpa then).
+(c) otherwise the dense cache's attention (`hermes.dense.cached_attention`: the model's own attention, with a
+    bottom-right causal mask when queries follow cached keys and the padding slots of a ragged question batch
+    hidden).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 import hermes_kernels as hk
-from hermes.attention import causal_mask, flash_usable, grouped_mask, grouped_sdpa, model_attention, padded_mask
-from hermes_kernels.rope import apply_rotary_delta
+from hermes.attention import grouped_mask, grouped_sdpa
+from hermes.dense import cached_attention, rotate_incoming
 
 if TYPE_CHECKING:  # the cache imports this module for its `attend`, and guidance imports the cache
     from .cache import HermesCache
@@ -37,30 +37,14 @@ def layer_attention(module: torch.nn.Module, cache: HermesCache, layer: int, que
                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """`HermesCache.attend`: query [b, H, T, D] (post-RoPE at default positions), key/value [b, Hkv, N + T, D] as
     `cache.update` returned them. Rotates q and the incoming keys to their true positions (written back into the
-    cache's slots), then (b) or (c) of the module docstring. Returns (output [b, T, H, D], None)."""
+    cache's slots: `hermes.dense.rotate_incoming`), then (b) or (c) of the module docstring. Returns (output
+    [b, T, H, D], None)."""
     start = key.shape[2] - query.shape[2]
-    delta = cache.incoming_delta(layer).unsqueeze(1)  # [b, 1, T] or [b, 1, 3, T]: broadcast over heads
-    inv_freq = cache.layer_inv_freq(layer)
-    query = apply_rotary_delta(query, delta, inv_freq, cache.rotary)
-    key[:, :, start:] = apply_rotary_delta(key[:, :, start:], delta, inv_freq, cache.rotary)
+    query = rotate_incoming(cache, layer, query, key)
     if cache.guidance is not None:
         return _guidance_attention(module, cache, layer, query, key, value, start, attention_mask, dropout,
                                    scaling, **kwargs)
-    return _cached_attention(module, cache, query, key, value, attention_mask, dropout, scaling, **kwargs)
-
-
-def _cached_attention(module, cache: HermesCache, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """(c) for queries that are the last T of the keys: the causal mask, built once per forward, whenever the
-    chosen kernel cannot apply it itself, combined with the padding slots the cache hides."""
-    count, total = query.shape[2], key.shape[2]
-    hidden = cache.hidden_keys()
-    if attention_mask is None and hidden is not None:
-        attention_mask = cache.forward_mask(("padded", count, total), query.device,
-                                            lambda: padded_mask(hidden, count, total, query.device))
-    elif attention_mask is None and not flash_usable(query) and 1 < count < total:
-        attention_mask = cache.forward_mask(("causal", count, total), query.device,
-                                            lambda: causal_mask(count, total, query.device))
-    return model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return cached_attention(module, cache, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
 def _guidance_attention(module, cache: HermesCache, layer: int, query, key, value, start: int, attention_mask,
@@ -74,7 +58,7 @@ def _guidance_attention(module, cache: HermesCache, layer: int, query, key, valu
     outputs = []
     if stored:
         # the chunk's own call over the keys it would see without prompts: bit-identical to the unfused prefill
-        outputs.append(_cached_attention(module, cache, query[:, :, :stored], key[:, :, :base], value[:, :, :base],
+        outputs.append(cached_attention(module, cache, query[:, :, :stored], key[:, :, :base], value[:, :, :base],
                                          attention_mask, dropout, scaling, **kwargs)[0])
     prompts = query[:, :, stored:]
     b, heads, count, dim = prompts.shape

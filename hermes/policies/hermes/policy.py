@@ -3,27 +3,23 @@
 After every chunk whose visual tokens exceed the budget the policy scores the cache with the guidance prompts
 (`guidance`) and runs one in-place compression step (`HermesCache.compress`), so the cache holds prefix + budget
 tokens between chunks. By default (`fused_guidance=True`) the prompts ride behind the chunk in its own prefill
-forward: one forward per chunk, the chunk stored exactly as a plain prefill stores it, the prompts read-only
-(docs/hermes.md §4). `fused_guidance=False` runs the prefill and then a separate guidance pass. The last question
-and answer of each stream fill the guidance prompts of the next steps (`HermesStream.last_convs`).
+forward (docs/hermes.md §4); `fused_guidance=False` runs the prefill and then a separate guidance pass. The last
+question and answer of each stream (the front's `history`) fill the guidance prompts of the next steps.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from hermes.cache import prefill
 from hermes.models import VideoChunk
-from hermes.policy import ModelGeometry, StreamPolicy, register_policy
+from hermes.policy import StreamPolicy, StreamSetup, register_policy
 from hermes_kernels.policies.hermes.config import HermesConfig
 from hermes_kernels.results import CompressResult
 
 from .cache import HermesCache
 from .guidance import GuidancePlan, guidance_length, run_guidance
-
-if TYPE_CHECKING:
-    from hermes.stream import HermesStream
 
 
 @register_policy
@@ -42,59 +38,60 @@ class HermesPolicy(StreamPolicy):
 
     name = "hermes"
 
-    def __init__(self, stream: "HermesStream", *, budget: int = 6000, reindex: str = "lazy",
+    def __init__(self, setup: StreamSetup, *, budget: int = 6000, reindex: str = "lazy",
                  config: HermesConfig | None = None, fused_guidance: bool = True, **overrides):
+        super().__init__(setup)
         if not isinstance(fused_guidance, bool):
             raise TypeError(f"fused_guidance: expected a bool, got {fused_guidance!r}")
-        shape = ModelGeometry.of(stream)
+        geometry, P = setup.geometry, setup.prefix_len
         if config is None:
-            config = HermesConfig.preset(stream.family.preset_name, shape.num_layers, budget, shape.prefix_len,
-                                         max_positions=shape.max_positions, reindex=reindex, **overrides)
+            config = HermesConfig.preset(setup.family.preset_name, geometry.num_layers, budget, P,
+                                         max_positions=geometry.max_positions, reindex=reindex, **overrides)
         elif overrides or not isinstance(config, HermesConfig):
             raise TypeError("config: pass a HermesConfig alone, or budget/reindex/overrides for the preset")
-        if config.num_layers != shape.num_layers or config.prefix_len != shape.prefix_len:
-            raise ValueError(f"config: expected num_layers={shape.num_layers} and prefix_len={shape.prefix_len} "
+        if config.num_layers != geometry.num_layers or config.prefix_len != P:
+            raise ValueError(f"config: expected num_layers={geometry.num_layers} and prefix_len={P} "
                              f"(the prefix tokens), got {config.num_layers} and {config.prefix_len}")
         self.cfg = config
         self.fused_guidance = fused_guidance
         self.cache = HermesCache(
-            config, batch_size=stream.batch_size, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-            capacity=config.prefix_len + config.budget + stream.chunk_tokens + stream.room, dtype=shape.dtype,
-            inv_freq=shape.inv_freq, rotary=shape.rotary, layer_devices=shape.layer_devices)
+            config, batch_size=setup.batch_size, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+            capacity=config.prefix_len + config.budget + setup.chunk_tokens + setup.room, dtype=setup.dtype,
+            inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices)
         self.plan = GuidancePlan.from_config(config)
-        self._prompt_ids: tuple[tuple, list] | None = None  # (last_convs, their prompts' token ids)
+        self._prompt_ids: tuple[tuple, list] | None = None  # (history, its prompts' token ids)
 
-    def prompt_ids(self, stream: "HermesStream") -> list[list[list[int]]]:
+    def prompt_ids(self, history: tuple[str | None, ...]) -> list[list[list[int]]]:
         """`plan.token_ids` for the streams' last conversations, tokenized again only when those change (every
-        compressing chunk needs them; tokenizing both prompts cost ~0.2 ms a chunk on the tiny models)."""
-        key = tuple(stream.last_convs)
+        compressing chunk needs them)."""
+        key = tuple(history)
         if self._prompt_ids is None or self._prompt_ids[0] != key:
-            self._prompt_ids = key, self.plan.token_ids(stream.tokenizer, stream.last_convs)
+            self._prompt_ids = key, self.plan.token_ids(self.setup.tokenizer, history)
         return self._prompt_ids[1]
 
-    def append_chunk(self, stream: "HermesStream", chunk: VideoChunk) -> CompressResult | None:
+    def append_chunk(self, chunk: VideoChunk, history: tuple[str | None, ...]) -> CompressResult | None:
         """Prefill `chunk`; past the budget score and compress (the step's result), else None. Raises ValueError
         before any forward when the chunk and its guidance prompts do not fit the cache."""
-        cache, cfg = self.cache, self.cfg
+        cache, cfg, setup = self.cache, self.cfg, self.setup
         count = chunk.embeds.shape[1]
         compress = cache.length + count - cfg.prefix_len > cfg.budget
-        ids = self.prompt_ids(stream) if compress else None
+        ids = self.prompt_ids(history) if compress else None
         needed = cache.length + count + (guidance_length(ids) if compress else 0)
         if needed > cache.capacity:
             raise ValueError(f"room: the chunk ({count} tokens) and the guidance prompts need {needed} slots, "
                              f"the cache has {cache.capacity}; raise room or chunk_tokens")
         if compress and self.fused_guidance and self.plan.kinds:
-            attn = run_guidance(stream.language_model, cache, self.plan, ids, stream.backend, chunk=chunk)
+            attn = run_guidance(setup.language_model, cache, self.plan, ids, setup.backend, chunk=chunk)
         else:
-            prefill(stream.language_model, cache, chunk)
+            prefill(setup.language_model, cache, chunk)
             if not compress:
                 return None
-            attn = run_guidance(stream.language_model, cache, self.plan, ids, stream.backend)
-        return cache.compress(attn, backend=stream.backend)
+            attn = run_guidance(setup.language_model, cache, self.plan, ids, setup.backend)
+        return cache.compress(attn, backend=setup.backend)
 
-    def guidance_scores(self, stream: "HermesStream", layers: Sequence[int] | None) -> torch.Tensor:
+    def guidance_scores(self, layers: Sequence[int] | None, history: tuple[str | None, ...]) -> torch.Tensor:
         """Pooled guidance attention [L, B, V] of a read-only pass over the cache as it is (a copy)."""
         plan = self.plan if layers is None else GuidancePlan.from_config(self.cfg, layers)
-        ids = plan.token_ids(stream.tokenizer, stream.last_convs)
-        stream.check_room(guidance_length(ids))
-        return run_guidance(stream.language_model, self.cache, plan, ids, stream.backend).clone()
+        ids = plan.token_ids(self.setup.tokenizer, history)
+        self.cache.check_room(guidance_length(ids))
+        return run_guidance(self.setup.language_model, self.cache, plan, ids, self.setup.backend).clone()

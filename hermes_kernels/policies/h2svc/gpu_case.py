@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...geometry import ModelGeometry
 from ...gpu_specs import meta
 from ...rope import RotaryLayout
 from .clock import StreamClock
@@ -37,8 +38,7 @@ class H2SVCCase:
     """
 
     label: str
-    head_dim: int
-    rotary: RotaryLayout | None  # None: 1D RoPE; stored as the RotaryLayout of D/2 pairs
+    geometry: ModelGeometry  # hermes_kernels.geometry; its layers and KV heads are the config's
     dtype: torch.dtype
     cfg: H2SVCConfig
     chunk_frames: int
@@ -46,7 +46,15 @@ class H2SVCCase:
     batch: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "rotary", RotaryLayout.of(self.rotary, self.head_dim // 2))
+        g, cfg = self.geometry, self.cfg
+        if (cfg.num_layers, cfg.num_kv_heads) != (g.num_layers, g.num_kv_heads):
+            raise ValueError(f"cfg: (layers, KV heads) = {(cfg.num_layers, cfg.num_kv_heads)}, the geometry has "
+                             f"{(g.num_layers, g.num_kv_heads)}")
+
+    @property
+    def rotary(self) -> RotaryLayout:
+        """The geometry's rotary layout (1D included), as the ops take it."""
+        return self.geometry.rotary
 
     @property
     def classes(self) -> tuple[int, ...]:
@@ -70,7 +78,7 @@ class H2SVCCase:
 
     def block(self, cls: int) -> H2SVCBlock:
         """The state of class `cls`'s block at the start of the step (after the chunk's prefill)."""
-        H, B, D, W = self.cfg.num_rows(cls), self.batch, self.head_dim, self.cfg.window(cls)
+        H, B, D, W = self.cfg.num_rows(cls), self.batch, self.geometry.head_dim, self.cfg.window(cls)
         C = self.cfg.prefix_len + (W + self.chunk_frames) * self.cfg.tokens_per_frame
         axes = (3,) if self.rotary.num_axes == 3 else ()
         features = meta(H, B, W, D) if cls == EPISODIC else None
@@ -79,4 +87,4 @@ class H2SVCCase:
 
     def inv_freq(self) -> torch.Tensor:
         """float32 [D/2] rotary inverse frequencies."""
-        return meta(self.head_dim // 2)
+        return meta(self.geometry.head_dim // 2)

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from ...geometry import ModelGeometry
 from ...gpu_specs import meta
 from ...rope import RotaryLayout
 from .config import HermesConfig
@@ -13,7 +14,8 @@ from .config import HermesConfig
 
 @dataclasses.dataclass(frozen=True)
 class HermesCase:
-    """One compression step the launchers are driven at: model geometry, cache dtype, budget and chunk.
+    """One compression step the launchers are driven at: model geometry (`hermes_kernels.geometry`), cache dtype,
+    budget and chunk.
 
     The tensors are laid out as `hermes.policies.hermes.cache.HermesCache` and `hermes.stream` hand them to the kernels:
     K/V and positions are views `[..., :N]` of buffers with `capacity` slots, the pooled attention a view of the cache's
@@ -23,11 +25,7 @@ class HermesCase:
     """
 
     label: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary: RotaryLayout | None  # None: 1D RoPE; stored as the RotaryLayout of D/2 pairs
+    geometry: ModelGeometry
     dtype: torch.dtype
     cfg: HermesConfig
     chunk_tokens: int
@@ -37,7 +35,13 @@ class HermesCase:
     batch: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "rotary", RotaryLayout.of(self.rotary, self.head_dim // 2))
+        if self.cfg.num_layers != self.geometry.num_layers:
+            raise ValueError(f"cfg: {self.cfg.num_layers} layers, the geometry has {self.geometry.num_layers}")
+
+    @property
+    def rotary(self) -> RotaryLayout:
+        """The geometry's rotary layout (1D included), as the ops take it."""
+        return self.geometry.rotary
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +57,8 @@ class HermesCase:
 
     def cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """keys, values [L, B, Hkv, N, D] and int64 positions [L, B, N] / [L, B, 3, N], views of the buffers."""
-        L, B, Hkv, D, N = self.num_layers, self.batch, self.num_kv_heads, self.head_dim, self.num_tokens
+        g = self.geometry
+        L, B, Hkv, D, N = g.num_layers, self.batch, g.num_kv_heads, g.head_dim, self.num_tokens
         keys = self.empty(L, B, Hkv, self.capacity, D, dtype=self.dtype)[..., :N, :]
         values = self.empty(L, B, Hkv, self.capacity, D, dtype=self.dtype)[..., :N, :]
         axes = (3,) if self.rotary.num_axes == 3 else ()
@@ -62,19 +67,20 @@ class HermesCase:
 
     def guidance_attn(self) -> torch.Tensor:
         """float32 [L, B, V]: the view of the cache's pooled-attention buffer a step is given."""
-        return self.empty(self.num_layers, self.batch, self.capacity)[..., :self.num_visual]
+        return self.empty(self.geometry.num_layers, self.batch, self.capacity)[..., :self.num_visual]
 
     def scores(self) -> torch.Tensor:
         """float32 [L, B, V] as the scoring stage returns it (contiguous)."""
-        return self.empty(self.num_layers, self.batch, self.num_visual)
+        return self.empty(self.geometry.num_layers, self.batch, self.num_visual)
 
     def keep(self) -> torch.Tensor:
         """int64 [L, B, min(budget, V)] as the selection stage returns it (contiguous)."""
-        return self.empty(self.num_layers, self.batch, min(self.cfg.budget, self.num_visual), dtype=torch.int64)
+        kept = min(self.cfg.budget, self.num_visual)
+        return self.empty(self.geometry.num_layers, self.batch, kept, dtype=torch.int64)
 
     def inv_freq(self) -> torch.Tensor:
         """float32 [D/2] rotary inverse frequencies."""
-        return self.empty(self.head_dim // 2)
+        return self.empty(self.geometry.head_dim // 2)
 
     def reindexed(self) -> torch.Tensor | None:
         """The caller's 0-dim bool re-index decision when `reindex` is "given", else None."""
@@ -83,7 +89,8 @@ class HermesCase:
     def guidance(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, H, Q, D] (transposed view of a [B, Q, H, D] projection) and k [B, Hkv, N + Q, D] (one layer of the
         cache buffer: the cache followed by the prompt's own keys), in the cache dtype."""
-        B, H, Hkv, D = self.batch, self.num_heads, self.num_kv_heads, self.head_dim
+        g = self.geometry
+        B, H, Hkv, D = self.batch, g.num_heads, g.num_kv_heads, g.head_dim
         q = self.empty(B, q_len, H, D, dtype=self.dtype).transpose(1, 2)
         k = self.empty(B, Hkv, self.capacity, D, dtype=self.dtype)[:, :, :self.num_tokens + q_len]
         return q, k

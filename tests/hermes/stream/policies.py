@@ -1,6 +1,8 @@
 """The policies under test by the shared stream checks (tests/hermes/stream/test_*.py), one entry per policy in
-`POLICIES`: how to build a stream whose free slots are poisoned, what a failed call must leave untouched, how two
-streams are compared, which faults to inject and how to make the in-place step fail in the middle of its writes.
+`POLICIES`: how to build a stream whose free slots are poisoned, which faults to inject, how to make the in-place
+step fail in the middle of its writes and what the cache then says. What a failed call must leave untouched and how
+two streams compare are read from the cache's public contract (`contents()`, `buffers()`, `counters`) for every
+policy; a policy overrides them only where it checks more.
 
 Every shared check runs once per policy and model family (the `policy` x `case` fixtures of this folder's conftest
 parametrise over `POLICIES` and `FAMILIES`), so a behaviour the front promises for every policy and family is
@@ -15,16 +17,14 @@ from typing import Callable
 import torch
 
 import hermes_kernels as hk
-from hermes.policies.h2svc.cache import H2SVCCache
 from hermes.stream import HermesStream
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC
+from hermes_kernels.policies.h2svc.config import EPISODIC
 from hermes_kernels.policies.hermes import compaction
 from tests.hermes.policies.h2svc.checks import h2svc_step_fails, h2svc_stream
 from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
-from tests.hermes.policies.h2svc.checks import whole_buffers as h2svc_buffers
+from tests.hermes.stream import fifo_policy
 from tests.hermes.streams import CASES, QUESTION, QWEN3_VL, make_stream
-from tests.hermes.streams import snapshot as hermes_snapshot
-from tests.utils import assert_close_verbose, same_bytes
+from tests.utils import assert_close_verbose, poison_, same_bytes
 
 ERRORS = {"oom": torch.OutOfMemoryError, "interrupt": KeyboardInterrupt}
 # the model families of the shared checks: the per-policy tests' CASES and Qwen3-VL (DeepStack, timestamps)
@@ -52,6 +52,32 @@ class Fault:
         return "-".join(filter(None, (self.phase.replace(" ", "_"), name, extra)))
 
 
+def cache_state(stream) -> tuple:
+    """What a failed call must leave as it was: (the cache's counters, stats, history), the last step object, and
+    every valid slot the cache holds (`contents()`), cloned."""
+    host = (stream.cache.counters, stream.stats(), list(stream.last_convs))
+    return host, stream.last_step, [[view.clone() for view in stream.cache.contents().values()]]
+
+
+def cache_buffers(stream) -> list[torch.Tensor]:
+    """Clones of every buffer of the cache, free slots included (what bad input must leave byte for byte)."""
+    return [t.clone() for t in stream.cache.buffers()]
+
+
+def same_rows(a, b, stream_a: int, stream_b: int) -> None:
+    """Stream a of `a` holds what stream b of `b` holds: the same length and named contents, keys and values
+    equal up to the dtype's tolerance (a batch computes them apart), everything else (positions, slot frames,
+    features) exactly."""
+    assert a.cache.length == b.cache.length
+    x, y = a.cache.contents(), b.cache.contents()
+    assert list(x) == list(y)
+    for name in x:
+        if name.endswith(("keys", "values")):
+            assert_close_verbose(x[name][stream_a], y[name][stream_b], name=name)
+        else:
+            assert torch.equal(x[name][stream_a], y[name][stream_b]), name
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyCase:
     """One policy as the shared checks drive it (module docstring).
@@ -59,14 +85,16 @@ class PolicyCase:
     stream(case, model, **kw): a stream of the policy on the family `case` with poisoned free slots.
     warm: chunks to append before the next one runs the policy's step (HERMES: until the budget is reached).
     fault_kwargs: stream arguments of the fault tests; faults: the `Fault`s `append_video` is tested with.
-    state(stream) / buffers(stream): what a failed call must leave as it was (valid slots, counters, stats, history,
-        the last step) / every buffer, free slots included (bad input must leave even those).
-    same_rows(a, b, stream_a, stream_b): the valid slots of stream a of `a` equal those of stream b of `b`.
     same_result(r0, r1): two step results agree.
     step_fails(monkeypatch): a context in which the policy's in-place step raises after it began writing.
+    failed_step: how the cache names that step once it left the cache undefined; direct_step(cache): the step
+        called on the cache itself.
     guidance: the policy runs a guidance pass (`HermesStream.guidance_scores`).
     every_chunk: the policy steps after every chunk (else only once a chunk passes the budget).
     check_lockstep(batch, alone): a policy's own check of two streams in lockstep, or None.
+    state(stream) / buffers(stream): what a failed call must leave as it was / every buffer, free slots included
+        (bad input must leave even those); same_rows(a, b, stream_a, stream_b): the valid slots of stream a of
+        `a` equal those of stream b of `b`. Default: from the cache's public contract.
     """
 
     name: str
@@ -74,38 +102,21 @@ class PolicyCase:
     warm: int
     fault_kwargs: dict
     faults: tuple
-    state: Callable
-    buffers: Callable
-    same_rows: Callable
     same_result: Callable
     step_fails: Callable
+    failed_step: str
+    direct_step: Callable
     guidance: bool
     every_chunk: bool
     check_lockstep: Callable | None = None
+    state: Callable = cache_state
+    buffers: Callable = cache_buffers
+    same_rows: Callable = same_rows
 
 
 # ---- HERMES ----------------------------------------------------------------------------------------------------
 def _hermes_stream(case, model, **kwargs) -> HermesStream:
     return make_stream(case, model, **{"budget": 40, **kwargs})
-
-
-def _hermes_state(stream) -> tuple:
-    (length, *tensors) = hermes_snapshot(stream)
-    return (length, stream.stats(), list(stream.last_convs)), stream.last_step, tensors
-
-
-def _hermes_buffers(stream) -> list[torch.Tensor]:
-    cache = stream.cache
-    return [t.clone() for s in cache._stacks for t in (s.keys, s.values, s.positions)] + [cache.guidance_attn.clone()]
-
-
-def _hermes_same_rows(a, b, stream_a: int, stream_b: int) -> None:
-    assert a.cache.length == b.cache.length
-    for layer in range(a.cfg.num_layers):
-        assert torch.equal(a.cache.layer_positions(layer)[stream_a], b.cache.layer_positions(layer)[stream_b])
-        for name in ("keys", "values"):
-            x, y = (getattr(s.cache, f"layer_{name}")(layer)[i] for s, i in ((a, stream_a), (b, stream_b)))
-            assert_close_verbose(x, y, name=f"{name} of layer {layer}")
 
 
 def _hermes_same_result(r0, r1) -> bool:
@@ -139,27 +150,9 @@ def _h2svc_stream(case, model, **kwargs) -> HermesStream:
 
 
 def _h2svc_state(stream) -> tuple:
+    """`cache_state` with the slot frames and the episodic features whole (past the held slots too)."""
     counters, stats, convs, last_step, blocks = h2svc_snapshot(stream)
     return (counters, stats, convs), last_step, blocks
-
-
-def _h2svc_same_rows(a, b, stream_a: int, stream_b: int) -> None:
-    for layer in range(a.cfg.num_layers):
-        for cls in range(len(CLASS_NAMES)):
-            if not a.cfg.heads_of(cls, layer):
-                continue
-            for name in ("slot_frames", "positions"):
-                view = getattr(H2SVCCache, f"class_{name}")
-                assert torch.equal(view(a.cache, cls, layer)[stream_a], view(b.cache, cls, layer)[stream_b]), \
-                    (name, cls, layer)
-            for name in ("keys", "values"):
-                view = getattr(H2SVCCache, f"class_{name}")
-                assert_close_verbose(view(a.cache, cls, layer)[stream_a], view(b.cache, cls, layer)[stream_b],
-                                     name=f"{name} {CLASS_NAMES[cls]} {layer}")
-            if cls == EPISODIC:
-                held = a.cache.held["episodic"]
-                assert torch.equal(a.cache.class_features(layer)[stream_a, :, :held],
-                                   b.cache.class_features(layer)[stream_b, :, :held])
 
 
 def _h2svc_kept_frames_differ(batch, alone) -> None:
@@ -173,15 +166,47 @@ H2SVC_FAULTS = tuple(Fault(phase, ERRORS[error]) for phase in ("vision", "first 
                      for error in ERRORS) + (Fault("values validation", ValueError),)
 
 
+# ---- FIFO (tests/hermes/stream/fifo_policy.py) --------------------------------------------------------------
+def _fifo_stream(case, model, **kwargs) -> HermesStream:
+    """Keeps 3 frames: a chunk brings 2 (LLaVA-OV frames, Qwen temporal steps), so from the second chunk on every
+    step evicts."""
+    stream = HermesStream(model, case.tokenizer(), policy="fifo", frames=3,
+                          **{"chunk_frames": case.frames, "room": 160, **case.stream_kwargs, **kwargs})
+    length = stream.cache.length
+    for stack in stream.cache._stacks:
+        for buffer in (stack.keys, stack.values):
+            poison_(buffer[..., length:, :])
+        poison_(stack.positions[..., length:])
+    return stream
+
+
+@contextlib.contextmanager
+def _fifo_step_fails(monkeypatch):
+    shift = fifo_policy.shift_down
+
+    def fails_after_moving(*args):
+        shift(*args)
+        raise torch.OutOfMemoryError("injected after the slots moved")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fifo_policy, "shift_down", fails_after_moving)
+        yield
+
+
 POLICIES = {
     "hermes": PolicyCase(name="hermes", stream=_hermes_stream, warm=2, fault_kwargs=dict(budget=64, room=70),
-                         faults=HERMES_FAULTS, state=_hermes_state, buffers=_hermes_buffers,
-                         same_rows=_hermes_same_rows, same_result=_hermes_same_result,
-                         step_fails=_hermes_step_fails, guidance=True, every_chunk=False),
+                         faults=HERMES_FAULTS, same_result=_hermes_same_result, step_fails=_hermes_step_fails,
+                         failed_step="compression step", direct_step=lambda cache: cache.compress(torch.zeros(1)),
+                         guidance=True, every_chunk=False),
     "h2svc": PolicyCase(name="h2svc", stream=_h2svc_stream, warm=3, fault_kwargs={}, faults=H2SVC_FAULTS,
-                        state=_h2svc_state, buffers=h2svc_buffers, same_rows=_h2svc_same_rows,
-                        same_result=lambda r0, r1: r0 == r1, step_fails=h2svc_step_fails, guidance=False,
-                        every_chunk=True, check_lockstep=_h2svc_kept_frames_differ),
+                        same_result=lambda r0, r1: r0 == r1, step_fails=h2svc_step_fails, failed_step="step",
+                        direct_step=lambda cache: cache.step(), guidance=False, every_chunk=True,
+                        check_lockstep=_h2svc_kept_frames_differ, state=_h2svc_state),
+    "fifo": PolicyCase(name="fifo", stream=_fifo_stream, warm=2, fault_kwargs={},
+                       faults=tuple(Fault(phase, ERRORS[error]) for phase in ("vision", "first layer", "last layer")
+                                    for error in ERRORS),
+                       same_result=lambda r0, r1: r0 == r1, step_fails=_fifo_step_fails, failed_step="eviction",
+                       direct_step=lambda cache: cache.evict(1), guidance=False, every_chunk=True),
 }
 
 
@@ -205,7 +230,7 @@ def assert_same_buffers(policy: PolicyCase, stream, before: list[torch.Tensor]) 
 def assert_same_stream(policy: PolicyCase, a, b) -> None:
     """Same stats, history and valid slots; the same logits for the next question."""
     assert a.stats() == b.stats() and a.last_convs == b.last_convs
-    assert a.cache._counters() == b.cache._counters()
+    assert a.cache.counters == b.cache.counters
     for index in range(a.batch_size):
         policy.same_rows(a, b, index, index)
     assert torch.equal(a.next_token_logits(QUESTION), b.next_token_logits(QUESTION))

@@ -88,11 +88,6 @@ def test_question_failures_leave_the_stream_as_it_was(case, policy, error, monke
     assert_same_stream(policy, faulty, clean)
 
 
-# each policy's in-place step, as its cache names it when a failure inside it left the cache undefined
-FAILED_STEP = {"hermes": "compression step", "h2svc": "step"}
-DIRECT_STEP = {"hermes": lambda cache: cache.compress(torch.zeros(1)), "h2svc": lambda cache: cache.step()}
-
-
 def test_failure_inside_the_step_writes_needs_a_reset(case, policy, monkeypatch):
     """An exception escaping the in-place step after it began rewriting the cache (a device error mid-write)
     cannot be rolled back: the cache says `undefined`, every call and a direct forward raise until reset(), and
@@ -110,12 +105,11 @@ def test_failure_inside_the_step_writes_needs_a_reset(case, policy, monkeypatch)
         with pytest.raises(RuntimeError, match="reset"):
             call()
     # the cache itself, behind the front: a direct forward and a direct step name what failed
-    refused = rf"{type(stream.cache).__name__}: a failed {FAILED_STEP[policy.name]} left the cache undefined; " \
-              "call reset"
+    refused = rf"{type(stream.cache).__name__}: a failed {policy.failed_step} left the cache undefined; call reset"
     with pytest.raises(RuntimeError, match=refused), torch.no_grad():
         stream.language_model(input_ids=torch.tensor([[3, 4]]), cache=stream.cache, use_cache=True)
     with pytest.raises(RuntimeError, match=refused):
-        DIRECT_STEP[policy.name](stream.cache)
+        policy.direct_step(stream.cache)
     stream.reset()
     assert stream.cache.data_ptrs() == ptrs and not stream.cache.undefined
     fresh = policy.stream(case, model)

@@ -63,7 +63,7 @@ def snapshot(stream) -> tuple:
         blocks.append([block.keys[:, :, :n].clone(), block.values[:, :, :n].clone(),
                        block.positions[..., :n].clone(), block.slot_frames.clone()]
                       + ([block.features.clone()] if block.features is not None else []))
-    return cache._counters(), stream.stats(), list(stream.last_convs), stream.last_step, blocks
+    return cache.counters, stream.stats(), list(stream.last_convs), stream.last_step, blocks
 
 
 def whole_buffers(stream) -> list[torch.Tensor]:
