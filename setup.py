@@ -22,9 +22,9 @@ setup(
         "torch>=2.4,<2.15",
         "triton>=3.0",
     ],
-    # the commands (docs/cli.md); `python -m hermes` and `python -m hermes.policies.h2svc.profile` run the same
+    # the commands (docs/cli.md); `python -m hermes` and `python -m hermes.profile_cli` run the same
     entry_points={"console_scripts": ["hermes = hermes.cli:main",
-                                      "hermes-profile = hermes.policies.h2svc.profile:main"]},
+                                      "hermes-profile = hermes.profile_cli:main"]},
     extras_require={
         "model": ["transformers>=5.0,<6"],  # the model glue, hermes (HermesStream, the caches, the commands)
         # av: the tests write and decode .mp4 files (python -m hermes needs it too, see "video")

@@ -40,15 +40,14 @@ import json
 import os
 import re
 import sys
-import textwrap
 import time
 from typing import Callable, Iterable, Sequence
 
 import torch
 
 from hermes.video import VideoReader, as_fraction, parse_time
-from hermes.commands import (DTYPES, LoadedModel, UsageError, check_checkpoint, load_model, load_processor,
-                             resolve_device, resolve_dtype, run_command, usage)
+from hermes.commands import (LoadedModel, UsageError, check_checkpoint, command_parser, load_model, load_processor,
+                             resolve_device, resolve_dtype, run_main, usage)
 from hermes_kernels.checks import check_positive_int
 
 POLICIES = ("hermes", "h2svc")
@@ -204,8 +203,8 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     fps:           frames sampled per second of video, by timestamp (`hermes.video`).
     chunk_frames:  frames per chunk (the cache is sized for one chunk; fewer frames in all is a ValueError).
     budget:        visual tokens kept per layer (HERMES).
-    policy:        "hermes" or "h2svc" (docs/h2svc.md); head_map: an H2SVC head map file (`python -m
-                   hermes.policies.h2svc.profile`; None: the unprofiled default map, with a warning).
+    policy:        "hermes" or "h2svc" (docs/h2svc.md); head_map: an H2SVC head map file (`hermes-profile`,
+                   `hermes.profile_cli`; None: the unprofiled default map, with a warning).
     device, dtype: used when `model` is a path (default: cuda if available; bfloat16 on cuda, float32 on cpu).
     progress:      a tqdm bar on stderr with each chunk's latency and the cache size.
 
@@ -296,26 +295,18 @@ def terminal_questions(source=None) -> Iterable[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    def wrap(text: str) -> str:
-        return textwrap.fill(text, width=100)
-
-    p = argparse.ArgumentParser(
-        prog="hermes",
-        description=wrap("Stream a video file through LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL with a HERMES KV cache "
-                         "(memory stays at the budget however long the video) or an H2SVC one (per-head frame "
-                         "memories) and answer questions about it."),
-        epilog="\n\n".join([
-            wrap("Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes "
-                 "their time; with neither, questions are read from stdin, one a line, until an empty line or end "
-                 "of input."),
-            wrap("Output: answers on stdout (with --json one JSON record per chunk and per answer); progress on "
-                 "stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command line."),
-            "Example:\n  hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
-            "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""]),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="PATH",
-                   help="local checkpoint folder (config.json, weights, tokenizer, processor configs) of a "
-                        "llava_onevision, qwen2_5_vl or qwen3_vl model")
+    p = command_parser(
+        "hermes",
+        "Stream a video file through LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL with a HERMES KV cache (memory stays at "
+        "the budget however long the video) or an H2SVC one (per-head frame memories) and answer questions about it.",
+        ["Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes their time; "
+         "with neither, questions are read from stdin, one a line, until an empty line or end of input.",
+         "Output: answers on stdout (with --json one JSON record per chunk and per answer); progress on stderr. Exit "
+         "status 0; 1 on an error (one line on stderr); 2 for a bad command line.",
+         "Example:\n  hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
+         "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""],
+        "local checkpoint folder (config.json, weights, tokenizer, processor configs) of a llava_onevision, "
+        "qwen2_5_vl or qwen3_vl model")
     p.add_argument("--video", required=True, metavar="FILE", help="video file PyAV can decode (mp4, mkv, webm, ...)")
     p.add_argument("--question", action="append", default=[], metavar="TEXT",
                    help="question asked after the whole video (repeatable, asked in order)")
@@ -334,17 +325,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-map", metavar="PATH", default=None,
                    help="--policy h2svc: head map from hermes-profile (checked against "
                         "the model); default: the unprofiled depth-order map, with a warning")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in tokens (default 64)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of torch (default: torch's choice; 1 avoids OpenMP spin-waits on a busy machine)")
     p.add_argument("--json", action="store_true",
                    help="one JSON record per line on stdout: {\"type\": \"chunk\", ...} per chunk, "
                         "{\"type\": \"answer\", ...} per answer")
-    p.add_argument("--quiet", action="store_true", help="no progress bars (model loading, stream)")
-    p.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     return p
 
 
@@ -364,19 +348,9 @@ def _print_record(record: dict, as_json: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, `run`, print; returns the exit status."""
     args = parser().parse_args(argv)
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.set_verbosity_error()  # load-time notices would bury the progress bar and answers
-    if args.quiet:
-        transformers_logging.disable_progress_bar()
     questions = args.question or (terminal_questions() if not args.ask_at else ())
-
-    def body() -> None:
-        if args.threads is not None:
-            torch.set_num_threads(usage(lambda: check_positive_int("threads", args.threads)))
-        run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
-            chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, head_map=args.head_map,
-            device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-            on_record=lambda record: _print_record(record, args.json), progress=not args.quiet)
-
-    return run_command(body, args.traceback)
+    return run_main(args, lambda: run(
+        args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps, chunk_frames=args.chunk_frames,
+        budget=args.budget, policy=args.policy, head_map=args.head_map, device=args.device, dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens, on_record=lambda record: _print_record(record, args.json),
+        progress=not args.quiet))

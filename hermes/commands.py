@@ -1,5 +1,5 @@
-"""What both command-line tools share (`hermes`, `hermes-profile`): their error contract and
-loading a local checkpoint.
+"""What both command-line tools share (`hermes`, `hermes-profile`): one parser scaffold, the error contract and
+loading a local checkpoint (docs/cli.md, docs/security.md#checkpoints).
 
 Checkpoints are a trust boundary (docs/security.md): `check_checkpoint`, `load_processor` and `load_model` are the
 one place a checkpoint is read, and every `from_pretrained` there reads local files only and never runs code
@@ -13,14 +13,16 @@ line `warning: ...`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import os
 import pickle
 import sys
+import textwrap
 import types
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -171,3 +173,42 @@ def run_command(body: Callable[[], None], show_traceback: bool = False) -> int:
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """`warnings.showwarning` of the commands: the message alone on one line (no source line under it)."""
     print(f"warning: {' '.join(str(message).split())}", file=sys.stderr if file is None else file)
+
+
+def command_parser(prog: str, description: str, epilog: Sequence[str], model_help: str) -> argparse.ArgumentParser:
+    """The parser scaffold of both commands: `prog`'s own text (`description`, `epilog` paragraphs: an "Example:"
+    paragraph is kept as written, the others wrapped) and the options every command takes — --model, --device,
+    --dtype, --threads, --quiet, --traceback; each command adds its own."""
+    def wrap(text: str) -> str:
+        return text if text.startswith("Example:") else textwrap.fill(text, width=100)
+
+    p = argparse.ArgumentParser(prog=prog, description=wrap(description), epilog="\n\n".join(map(wrap, epilog)),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="PATH", help=model_help)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of torch (default: torch's choice; 1 avoids OpenMP spin-waits on a busy machine)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    return p
+
+
+def run_main(args: argparse.Namespace, body: Callable[[], None]) -> int:
+    """Run a command's `body` for parsed `args` under the error contract (`run_command`): transformers' load-time
+    notices silenced (and its progress bars with --quiet), --threads checked and applied first."""
+    from transformers.utils import logging as transformers_logging
+
+    from hermes_kernels.checks import check_positive_int
+
+    transformers_logging.set_verbosity_error()  # load-time notices would bury the progress bars and the output
+    if args.quiet:
+        transformers_logging.disable_progress_bar()
+
+    def command() -> None:
+        if args.threads is not None:
+            torch.set_num_threads(usage(lambda: check_positive_int("threads", args.threads)))
+        body()
+
+    return run_command(command, args.traceback)

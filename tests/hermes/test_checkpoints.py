@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextTo
 from transformers.video_processing_utils import BaseVideoProcessor
 
 from hermes import cli, commands
-from hermes.policies.h2svc import profile
+from hermes import profile_cli
 from tests.hermes.video_files import write_video
 from tests.utils import REPO, error_line
 
@@ -102,7 +102,7 @@ def test_a_name_that_is_not_a_local_folder_is_refused_before_the_network(command
     if command == "hermes":
         main, argv = cli.main, ["--video", clip, "--question", "q"]
     else:
-        main, argv = profile.main, ["--videos", clip, "--out", str(tmp_path / "map.json")]
+        main, argv = profile_cli.main, ["--videos", clip, "--out", str(tmp_path / "map.json")]
     line = error_line(main, capsys, ["--model", HUB_NAME, "--chunk-frames", "2", "--device", "cpu", "--quiet", *argv])
     assert line == (f"error: model: no such folder: {HUB_NAME} (expected a local checkpoint folder; names on the "
                     f"Hugging Face Hub are not downloaded: download it first, then pass its folder)")

@@ -520,10 +520,10 @@ def test_console_scripts_run_the_commands():
     """`pip install` puts `hermes` and `hermes-profile` on the path; they are the commands' `main`."""
     from importlib.metadata import entry_points
 
-    from hermes.policies.h2svc import profile
+    from hermes import profile_cli
 
     scripts = {ep.name: ep for ep in entry_points(group="console_scripts") if ep.name in ("hermes", "hermes-profile")}
-    assert scripts["hermes"].load() is cli.main and scripts["hermes-profile"].load() is profile.main
+    assert scripts["hermes"].load() is cli.main and scripts["hermes-profile"].load() is profile_cli.main
     done = subprocess.run([sys.executable, "-c", "import sys; from hermes.cli import main; sys.exit(main())",
                            "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage: hermes ")

@@ -73,8 +73,8 @@ class H2SVCPolicy(StreamPolicy):
                                         **overrides)
         if not config.profiled:
             warnings.warn("head_map: not profiled; using the default map (seed's ratios by layer depth: the lowest "
-                          "heads instant, then short, the top episodic). Profile the model with python -m "
-                          "hermes.policies.h2svc.profile and pass head_map=PATH", stacklevel=3)
+                          "heads instant, then short, the top episodic). Profile the model with hermes-profile and "
+                          "pass head_map=PATH", stacklevel=3)
         chunk_frames = setup.chunk_tokens // config.tokens_per_frame
         if chunk_frames < 1:
             raise ValueError(f"chunk_tokens: {setup.chunk_tokens} tokens hold no whole frame of "

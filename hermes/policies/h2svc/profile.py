@@ -1,4 +1,5 @@
-"""Offline routing of H2SVC heads (docs/h2svc.md §2, spatio-temporal attention profiling) and its command.
+"""Offline routing of H2SVC heads (docs/h2svc.md §2, spatio-temporal attention profiling); its command line,
+`hermes-profile`, is `hermes.profile_cli`.
 
     from hermes.commands import load_model
     from hermes.policies.h2svc.head_map import save_head_map
@@ -28,12 +29,10 @@ the mean over its questions.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import sys
-import textwrap
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -44,10 +43,10 @@ from hermes.commands import UsageError, usage
 from hermes.models import family_of
 from hermes.video import VideoReader, as_fraction
 from hermes_kernels.checks import check_positive_int
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, class_counts
+from hermes_kernels.policies.h2svc.config import class_counts
 from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores
 
-from .head_map import HeadProfile, save_head_map
+from .head_map import HeadProfile
 from .tad import Queries, TADSums, profiling_attention
 
 DEFAULT_QUESTIONS = ("What is happening in the video?",)
@@ -313,98 +312,3 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
 # ---------------------------------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------------------------------
-
-def parser() -> argparse.ArgumentParser:
-    def wrap(text: str) -> str:
-        return textwrap.fill(text, width=100)
-
-    p = argparse.ArgumentParser(
-        prog="hermes-profile",
-        description=wrap("Profile the attention heads of a LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL checkpoint on "
-                         "sample videos (eager attention, docs/h2svc.md §2) and write the H2SVC head map: every "
-                         "(layer, KV head) routed to the instant, short or episodic memory."),
-        epilog="\n\n".join([
-            wrap("Output: the JSON head map at --out (model name and type, layers, KV heads, ratios, the class of "
-                 "every head, TAD_V2V / TAD_T2V / S per head, the clips used); a summary on stdout; progress on "
-                 "stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command line."),
-            "Example:\n  hermes-profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
-            "      --videos clips/*.mp4 --max-frames 64 --out llava-ov-7b.h2svc.json"]),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="PATH",
-                   help="local checkpoint folder of a llava_onevision, qwen2_5_vl or qwen3_vl model")
-    p.add_argument("--videos", required=True, nargs="+", metavar="FILE",
-                   help="sample video files PyAV can decode (each one clip)")
-    p.add_argument("--out", required=True, metavar="FILE", help="where to write the head map (JSON)")
-    p.add_argument("--fps", type=float, default=1.0, help="frames sampled per second of video (default 1)")
-    p.add_argument("--chunk-frames", type=int, default=16, help="frames per forward, as the stream's chunks "
-                                                                "(default 16)")
-    p.add_argument("--max-frames", type=int, default=None,
-                   help="at most this many sampled frames per clip (default: the whole clip; attention costs "
-                        "grow with the square of the clip's tokens)")
-    p.add_argument("--question", action="append", default=None, metavar="TEXT",
-                   help=f"question asked after each clip, the text queries of TAD_T2V (repeatable; default "
-                        f"{DEFAULT_QUESTIONS[0]!r})")
-    p.add_argument("--answer-tokens", type=int, default=0,
-                   help="greedy answer tokens fed back as more text queries (default 0)")
-    p.add_argument("--instant-ratio", type=float, default=0.1, help="share of instant heads (default 0.1)")
-    p.add_argument("--short-ratio", type=float, default=0.4, help="share of short heads (default 0.4); episodic "
-                                                                  "heads are the rest")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads of torch (default: torch's choice)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
-    return p
-
-
-def summary(profile: HeadProfile, path: str) -> str:
-    """What the command prints: the file, the model, the class counts, then one line per layer with a letter
-    per KV head (i instant, s short, e episodic)."""
-    counts = ", ".join(f"{name} {count}" for name, count in zip(CLASS_NAMES, profile.counts()))
-    frames = sum(clip["frames"] for clip in profile.clips)
-    lines = [f"wrote {path}: {profile.model_type} ({profile.model_name or 'unnamed'}), {profile.num_layers} layers "
-             f"x {profile.num_kv_heads} KV heads, {len(profile.clips)} clip(s), {frames} frames; {counts}"]
-    width = len(str(profile.num_layers - 1))
-    for layer, row in enumerate(profile.head_map.tolist()):
-        lines.append(f"layer {layer:>{width}}: " + " ".join(CLASS_NAMES[c][0] for c in row))
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command: parse, check the inputs, load, profile, write; returns the exit status."""
-    from transformers.utils import logging as transformers_logging
-
-    from hermes.commands import check_checkpoint, load_model, resolve_device, run_command
-
-    args = parser().parse_args(argv)
-    transformers_logging.set_verbosity_error()
-    if args.quiet:
-        transformers_logging.disable_progress_bar()
-    questions = args.question or DEFAULT_QUESTIONS
-
-    def body() -> None:
-        if args.threads is not None:
-            torch.set_num_threads(usage(lambda: check_positive_int("threads", args.threads)))
-        usage(lambda: resolve_device(args.device))
-        check_checkpoint(args.model)
-        check_inputs(args.videos, fps=args.fps, chunk_frames=args.chunk_frames, questions=questions,
-                     instant_ratio=args.instant_ratio, short_ratio=args.short_ratio, max_frames=args.max_frames,
-                     answer_tokens=args.answer_tokens)
-        folder = os.path.dirname(os.path.abspath(args.out))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"out: no such folder: {folder}")
-        loaded = load_model(args.model, args.device, args.dtype)
-        profile = profile_heads(loaded.model, loaded.processor, args.videos, fps=args.fps,
-                                chunk_frames=args.chunk_frames, questions=questions,
-                                instant_ratio=args.instant_ratio, short_ratio=args.short_ratio,
-                                max_frames=args.max_frames, answer_tokens=args.answer_tokens,
-                                progress=not args.quiet)
-        save_head_map(profile, args.out)
-        print(summary(profile, args.out))
-
-    return run_command(body, args.traceback)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -195,7 +195,7 @@ def test_profile_equals_the_models_own_attention(loaded):
 def test_the_profile_command_writes_a_map_for_the_model(checkpoint, loaded, video, tmp_path):
     out = tmp_path / "map.json"
     done = subprocess.run(
-        [sys.executable, "-m", "hermes.policies.h2svc.profile", "--model", checkpoint, "--videos", video, "--out",
+        [sys.executable, "-m", "hermes.profile_cli", "--model", checkpoint, "--videos", video, "--out",
          str(out), "--chunk-frames", "4", "--question", QUESTION, "--threads", "1", "--quiet"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

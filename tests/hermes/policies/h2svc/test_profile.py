@@ -23,7 +23,8 @@ from hermes.policies.h2svc.head_map import load_head_map, save_head_map
 from hermes.policies.h2svc import profile as profiler
 from hermes.policies.h2svc import tad
 from hermes.policies.h2svc.head_map import FORMAT
-from hermes.policies.h2svc.profile import main, profile_heads
+from hermes.policies.h2svc.profile import profile_heads
+from hermes.profile_cli import main
 from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores, tad_t2v, tad_v2v
 from hermes.models import family_of
 from hermes.video import VideoReader
@@ -348,7 +349,7 @@ def test_command_writes_a_map_that_loads(tiny_checkpoints, loaded, files, tmp_pa
     the in-process profile of the same clip."""
     out = tmp_path / "map.json"
     result = subprocess.run(
-        [sys.executable, "-m", "hermes.policies.h2svc.profile", "--model", tiny_checkpoints["qwen2_5_vl"], "--videos",
+        [sys.executable, "-m", "hermes.profile_cli", "--model", tiny_checkpoints["qwen2_5_vl"], "--videos",
          files["clip"], "--out", str(out), "--chunk-frames", "4", "--question", QUESTIONS[0], "--threads", "1",
          "--quiet"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
