@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 
 import torch
 from loguru import logger
 
-from lmms_eval.api.instance import Instance
+from lmms_eval.api.instance import GenerationResult, Instance
 from lmms_eval.api.model import lmms
 
 from hermes import commands
@@ -27,6 +28,11 @@ MULTI_TOKEN_TASKS = ("egoschema_mcppl", "egoschema_subset_mcppl", "perceptiontes
                      "perceptiontest_test_mcppl", "worldqa_mc_ppl")
 GENERATION_TASKS = ("egoschema", "egoschema_subset", "perceptiontest_val_mc", "perceptiontest_test_mc", "worldqa_mc",
                     "videomme", "mlvu_dev", "longvideobench_val_v", "mvbench", "ovobench")
+
+
+class RaggedBatch(Exception):
+    """Videos of one lockstep batch gave different chunks (their shapes were measured alike): the batch is streamed
+    again one video at a time."""
 
 
 class HermesModel(lmms):
@@ -72,9 +78,11 @@ class HermesModel(lmms):
         return self._answer_jobs(group_by_video(items), len(requests), "generate_until", "")
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
-        """(log-probability, is greedy) of each request's continuation as the first token of the answer, from the
-        stream's next-token logits. Every continuation must be one token (after its leading whitespace: the
-        answer starts the chat's assistant turn); other tasks are refused before anything streams."""
+        """(negative log-likelihood, is greedy) of each request's continuation as the first token of the answer,
+        from the stream's next-token logits. The value is a loss, as lmms-eval's own models return it and as its
+        multiple_choice scoring reads it (the choice of smallest value wins). Every continuation must be one token
+        (after its leading whitespace: the answer starts the chat's assistant turn); other tasks are refused before
+        anything streams."""
         items = []
         for index, request in enumerate(requests):
             if len(request.args) != 6:
@@ -91,7 +99,11 @@ class HermesModel(lmms):
                     f"variants instead ({', '.join(GENERATION_TASKS)})")
             path = self._video_of(doc_to_visual(self.task_dict[task][split][doc_id]), label)
             items.append((path, Question(index, context, label, token=ids[0])))
-        return self._answer_jobs(group_by_video(items), len(requests), "loglikelihood", (float("-inf"), False))
+        scores = self._answer_jobs(group_by_video(items), len(requests), "loglikelihood", (float("inf"), False))
+        # lmms-eval 0.7.3 stores every result through unwrap_generation_output, which turns a (float, bool) pair
+        # into its string and so breaks multiple_choice tasks for every model; a GenerationResult is unwrapped as
+        # it is (docs/evaluation.md#loglikelihood)
+        return [GenerationResult(text=score) for score in scores]
 
     def generate_until_multi_round(self, requests: list[Instance]) -> list[list[str]]:
         """One list of answers per request: its video streamed up to each round's time, the round's question
@@ -124,7 +136,9 @@ class HermesModel(lmms):
         """Append the feeds' chunks up to `end` seconds, one clip per stream in lockstep; the stream is taken at the
         first chunk when None. Returns the stream (None when no frame came)."""
         s = self.settings
-        for clips in zip(*(feed.chunks(end) for feed in feeds)):
+        for clips in itertools.zip_longest(*(feed.chunks(end) for feed in feeds)):
+            if None in clips:
+                raise RaggedBatch(f"video: the videos of a lockstep batch ended apart ({feeds[0].path}, ...)")
             inputs = [self.family.prepare_frames(self.processor, frames, s.fps, start=times[0])
                       for frames, times in clips]
             if stream is None:
@@ -145,8 +159,9 @@ class HermesModel(lmms):
         return answers
 
     def _answer_batch(self, batch: list[VideoJob], answers: list, request_type: str, counts) -> None:
-        """Stream the batch's videos in lockstep, then ask every question; a video that fails to decode sends the
-        batch's videos through one at a time, so only its own questions are skipped."""
+        """Stream the batch's videos in lockstep, then ask every question; a video that fails to decode (or videos
+        that end apart) send the batch's videos through one at a time, so only an unreadable video's own questions
+        are skipped."""
         try:
             with contextlib.ExitStack() as files:
                 feeds = [files.enter_context(VideoFeed(self.settings.fps, self.settings.chunk_frames))
@@ -156,7 +171,7 @@ class HermesModel(lmms):
                 stream = self._append(feeds, request_type)
                 if stream is None:
                     raise UnreadableVideo(f"video: {batch[0].path}: no frame was sampled")
-        except UnreadableVideo as err:
+        except (UnreadableVideo, RaggedBatch) as err:
             if len(batch) == 1:
                 self._skip(batch[0], err, counts)
             else:
@@ -173,7 +188,7 @@ class HermesModel(lmms):
                 logprobs = torch.log_softmax(logits, dim=-1)
                 for row, q in enumerate(picked):
                     if q is not None:
-                        answers[q.index] = (logprobs[row, q.token].item(), bool(logits[row].argmax() == q.token))
+                        answers[q.index] = (-logprobs[row, q.token].item(), bool(logits[row].argmax() == q.token))
             else:
                 outs = stream.ask(asked, max_new_tokens=length)
                 outs = [outs] if isinstance(outs, str) else outs
