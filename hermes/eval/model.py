@@ -137,7 +137,7 @@ class HermesModel(lmms):
         first chunk when None. Returns the stream (None when no frame came)."""
         s = self.settings
         for clips in itertools.zip_longest(*(feed.chunks(end) for feed in feeds)):
-            if None in clips:
+            if None in clips or len({len(times) for _, times in clips}) > 1:
                 raise RaggedBatch(f"video: the videos of a lockstep batch ended apart ({feeds[0].path}, ...)")
             inputs = [self.family.prepare_frames(self.processor, frames, s.fps, start=times[0])
                       for frames, times in clips]
