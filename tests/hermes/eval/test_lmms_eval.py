@@ -107,7 +107,7 @@ def test_a_corrupt_video_skips_its_samples_with_one_error_line_and_the_run_goes_
     assert len(errors) == 2, errors
     assert "hermes_mc/2 (1 question(s) answered as empty): video: cannot read" in errors[0] + errors[1]
     assert "hermes_rounds/2 (all its rounds answered as empty): video: cannot read" in errors[0] + errors[1]
-    assert all("bad.mp4" in line for line in errors)
+    assert all("bad.mp4" in line and "ERROR" in line for line in errors)  # loguru level
     assert sorted(samples) == ["hermes_ll", "hermes_mc", "hermes_rounds"]
     reports = set(re.findall(r"hermes: (\S+): (\d+) video\(s\) streamed for (\d+) question\(s\); (\d+) skipped", log))
     # a asked twice, b, c; bad skipped / two videos for nine scored choices / two requests of three rounds each

@@ -164,11 +164,13 @@ def test_videos_ending_apart_in_one_batch_stream_again_one_at_a_time(tiny_checkp
     assert sizes == [2, 1, 1]
 
 
-def test_a_video_failing_mid_stream_skips_only_its_questions(tiny_checkpoints, videos, monkeypatch):
-    """Decoding b fails after its first chunk (in a lockstep pair with a, then alone): b's question is answered
-    as empty with one error line; a and c answer as in a clean run (the next video starts from a reset stream)."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_video_failing_mid_stream_skips_only_its_questions(batch, tiny_checkpoints, videos, monkeypatch):
+    """Decoding b fails after its first chunk (at batch 1 between a and c, which then reuses the failed stream;
+    at batch 2 in a lockstep pair with a, then alone): b's question is answered as empty with one error line; a
+    and c answer as in a clean run (the next video starts from a reset stream)."""
     docs = docs_over(videos, ["a", "b", "c", "a"])
-    model = build(tiny_checkpoints["qwen2_5_vl"], batch_size=2)
+    model = build(tiny_checkpoints["qwen2_5_vl"], batch_size=batch)
     clean = model.generate_until(requests(model, docs))
     original = VideoFeed._next_sample
 
