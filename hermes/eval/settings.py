@@ -90,8 +90,10 @@ def parse_model_args(pretrained=None, policy="hermes", budget=None, head_map=Non
         errors.append("budget: only policy=hermes takes a budget (H2SVC keeps frames in its windows)")
     elif policy == "hermes":
         budget = check("budget", lambda: check_positive_int("budget", DEFAULT_BUDGET if budget is None else budget))
-    if head_map is not None and policy in POLICIES:
-        check("head_map", lambda: policy_kwargs(policy, budget or DEFAULT_BUDGET, os.fspath(head_map)))
+    if head_map is not None and policy == "hermes":
+        errors.append("head_map: only policy=h2svc takes a head map")
+    elif head_map is not None and policy in POLICIES:
+        check("head_map", lambda: policy_kwargs(policy, DEFAULT_BUDGET, os.fspath(head_map)))
     if reindex not in REINDEX_CHOICES:
         errors.append(f"reindex: expected one of {REINDEX_CHOICES}, got {reindex!r}")
     fps = check("fps", lambda: float(as_fraction(fps, "fps")))

@@ -78,7 +78,7 @@ BAD_ARGS = [
     (dict(budgte=4000), "budgte: not an argument of --model hermes"),
     (dict(pretrained=None), "pretrained: required"),
     (dict(pretrained="/no/such/checkpoint"), "pretrained: no such folder: /no/such/checkpoint"),
-    (dict(head_map="map.json"), "head_map: only --policy h2svc takes a head map"),
+    (dict(head_map="map.json"), "head_map: only policy=h2svc takes a head map"),
     (dict(policy="h2svc", budget=4000), "budget: only policy=hermes takes a budget"),
     (dict(policy="h2svc", head_map="/no/map.json"), "head_map: head map: no such file: /no/map.json"),
     (dict(budget=10 ** 6), "budget: 1000000 does not fit"),
