@@ -77,12 +77,12 @@ class HermesModel(lmms):
                                          until=(until,) if isinstance(until, str) else tuple(until))))
         return self._answer_jobs(group_by_video(items), len(requests), "generate_until", "")
 
-    def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
+    def loglikelihood(self, requests: list[Instance]) -> list[GenerationResult]:
         """(negative log-likelihood, is greedy) of each request's continuation as the first token of the answer,
-        from the stream's next-token logits. The value is a loss, as lmms-eval's own models return it and as its
-        multiple_choice scoring reads it (the choice of smallest value wins). Every continuation must be one token
-        (after its leading whitespace: the answer starts the chat's assistant turn); other tasks are refused before
-        anything streams."""
+        from the stream's next-token logits, each pair inside a GenerationResult (the comment below says why). The
+        value is a loss, as lmms-eval's own models return it and as its multiple_choice scoring reads it (the
+        choice of smallest value wins). Every continuation must be one token (after its leading whitespace: the
+        answer starts the chat's assistant turn); other tasks are refused before anything streams."""
         items = []
         for index, request in enumerate(requests):
             if len(request.args) != 6:
