@@ -24,7 +24,9 @@ setup(
     ],
     # the commands (docs/cli.md); `python -m hermes` and `python -m hermes.profile_cli` run the same
     entry_points={"console_scripts": ["hermes = hermes.cli:main",
-                                      "hermes-profile = hermes.profile_cli:main"]},
+                                      "hermes-profile = hermes.profile_cli:main"],
+                  # lmms-eval --model hermes (docs/evaluation.md): its registry reads this group when it starts
+                  "lmms_eval.models": ["hermes = hermes.eval.manifest:manifest"]},
     extras_require={
         "model": ["transformers>=5.0,<6"],  # the model glue, hermes (HermesStream, the caches, the commands)
         # av: the tests write and decode .mp4 files (python -m hermes needs it too, see "video")
@@ -32,6 +34,12 @@ setup(
         "bench": ["matplotlib>=3.7", "tqdm>=4.60"],  # python -m bench; its end-to-end rows also need "model"
         "video": ["av>=12", "tqdm>=4.60"],  # python -m hermes: PyAV decodes, tqdm shows progress
         "flash": ["flash-attn>=2.6"],
+        # lmms-eval's own import and command line (docs/evaluation.md#install); lmms-eval itself installs with
+        # --no-deps beside it (pip install --no-deps lmms-eval==0.7.3), since its torchvision requirement would
+        # replace the pinned CPU torch; filelock < 4: lmms-eval 0.7.3 patches filelock._api, gone in 4.x
+        "eval": ["accelerate>=1.0,<2", "datasets>=3.0,<6", "evaluate>=0.4,<0.5", "filelock>=3.16,<4",
+                 "loguru>=0.7,<0.8", "pytablewriter>=1.2,<2", "pytz", "sacrebleu>=2.4,<3", "tenacity>=8.3",
+                 "av>=12", "tqdm>=4.60"],
         "dev": ["ruff>=0.6", "mkdocs>=1.6,<2", "mkdocs-material>=9.5"],  # .ci/run: lint and the docs site
     },
 )
