@@ -1,20 +1,10 @@
 """End-to-end streaming step on tiny random models (LLaVA-OneVision, and Qwen3-VL with its timestamps and DeepStack):
-our caches vs the straightforward way.
+our caches against the straightforward way, which is what the released code does.
 
-One step = encode a chunk of frames, prefill it, run the guidance pass, compress to the budget.
-- ours: `hermes.stream.HermesStream.append_video` (preallocated cache, guidance pooled inside the attention
-  function in one read-only forward, `hermes_kernels.compress_step` in place);
-- H2SVC beside it: `HermesStream(policy="h2svc")` on the same chunks (prefill with per-class attention and
-  frame-window masks, then `hermes_kernels.h2svc_step` on every class block; no guidance pass), with the default
-  (unprofiled, depth-order) head map and an episodic memory of budget / tokens-per-frame frames;
-- baseline: what the released code does, written plainly: a `DynamicCache`, eager attention, three extra
-  forwards (local, global, mixed prompts) with `output_attentions=True` whose [L][B, H, Q, N] probabilities are
-  pooled per layer, then the reference `compress_step` (`hermes_kernels.policies.hermes.reference`) on K/V stacked from
-  the cache and written back.
-The baseline keeps one 1D position sequence for all layers (max over layers + 1 for new tokens; Qwen3-VL's M-RoPE
-offsets are not applied there): its numbers are for timing, not for answers. All models of a family are built
-from the same seed; the vision tower (and Qwen3-VL's DeepStack features, passed to every chunk's forward) is
-shared work.
+One step = encode a chunk of frames, prefill it, run the guidance pass, compress to the budget. The same chunks go
+through `HermesStream` (HERMES), `HermesStream(policy="h2svc")` and `BaselineStream` (a `DynamicCache`, eager
+`output_attentions` passes, the reference step); `run_family` says what each does. The baseline's numbers are for
+timing, not for answers. docs/benchmarks.md#after-the-table.
 """
 from __future__ import annotations
 
@@ -69,7 +59,12 @@ class E2EResult:
 
 
 class BaselineStream:
-    """The straightforward streaming step (see module docstring) over a tiny model, one stream."""
+    """The straightforward streaming step over a tiny model, one stream: what the released code does, written
+    plainly. A `DynamicCache`, eager attention, three extra forwards (local, global, mixed prompts) with
+    `output_attentions=True` whose [L][B, H, Q, N] probabilities are pooled per layer, then the reference
+    `compress_step` (`hermes_kernels.policies.hermes.reference`) on K/V stacked from the cache and written back.
+    One 1D position sequence serves all layers (max over layers + 1 for new tokens; Qwen3-VL's M-RoPE offsets are
+    not applied): its numbers are for timing, not for answers."""
 
     def __init__(self, model, tokenizer, budget: int):
         from transformers import DynamicCache
@@ -165,7 +160,14 @@ def _family(name: str, setting: E2ESetting, gen: torch.Generator) -> tuple:
 
 
 def run_family(device: torch.device, family: str, quick: bool = False) -> E2EResult:
-    """Time one streaming step per chunk of `family` with our stream, the baseline and H2SVC (CPU; tiny model)."""
+    """Time one streaming step per chunk of `family` (CPU; tiny model), three ways on the same chunks.
+
+    ours: `HermesStream.append_video` (preallocated cache, guidance pooled inside the attention function in one
+    read-only forward, `hermes_kernels.compress_step` in place); the baseline: `BaselineStream`; H2SVC:
+    `HermesStream(policy="h2svc")` (prefill with per-class attention and frame-window masks, then
+    `hermes_kernels.h2svc_step` on every class block, no guidance pass), with the default (unprofiled, depth-order)
+    head map and an episodic memory of budget / tokens-per-frame frames. All three models are built from the same
+    seed; the vision tower (and Qwen3-VL's DeepStack features, passed to every chunk's forward) is shared work."""
     if device.type != "cpu":
         raise Unavailable("the end-to-end step runs on CPU (tiny model); use tests/ for model checks on CUDA")
     from hermes.stream import HermesStream

@@ -1,23 +1,10 @@
 """`python -m bench.kernels`: every Triton kernel built for sm_80 and sm_90 without a GPU, and what it costs there.
 
-1. Record: every spec of `hermes_kernels.gpu_specs` drives its launcher at every `spec_cases()` case of its type
-   inside `launch.recording()`, on meta tensors laid out as the streaming caches lay them out: HERMES steps (the
-   LLaVA-OV-7B, Qwen2.5-VL-7B and Qwen3-VL-8B shapes of bench/shapes.py, each cache dtype, both budgets, every
-   re-index trigger) and H2SVC steps (the same shapes' class blocks with full memories, each cache dtype, 16- and
-   8-frame chunks, re-index on and off), each also at head dims 64 and 256 and with two streams; 1D RoPE and M-RoPE
-   with contiguous and interleaved sections.
-2. Specialise each recorded launch for a target exactly as `JITFunction.run` does (Triton's own binder: pointer and
-   integer alignment, stride-1 and other constexpr specialisation); tensor addresses are those of a fresh
-   allocation plus the view's offset. Identical (kernel, signature, constexprs, attributes, options) compile once.
-3. Compile each for sm_80 and sm_90 (PTX, then ptxas: the wheel's ptxas), in parallel worker processes; results
-   are cached by Triton's own compile key under Triton's cache dir, so an unchanged kernel is not rebuilt.
-4. Report per kernel x target x spec: registers/thread, spill bytes, shared memory, the occupancy that implies
-   (`bench/ptx.py`), the launch grid at the case and how many waves it makes, and the global load/store mix of the
-   PTX by access width (16 B = ld/st.global.v4.b32 or .v2.b64; static instruction counts, not dynamic).
-
-Checks (`--check`, tests/hermes_kernels/test_gpu_specs.py): a compile error, spill stores above the spec's
-`max_spill_bytes`, shared memory above the target's per-block limit, a kernel of the package that no spec launches, or a
-spec that does not launch a kernel it names, each fails.
+The launches that the specs of `hermes_kernels.gpu_specs` record on meta tensors are specialised as Triton's own
+binder does, compiled to PTX and through ptxas, and reported per kernel x target x spec: registers, spills, shared
+memory, occupancy (bench/ptx.py), grid and waves, global load/store widths. `--check` (run by
+tests/hermes_kernels/test_gpu_specs.py) fails on a kernel that does not build, spills or overflows shared memory,
+or that no spec launches, so a GPU-only failure shows on a CPU machine. docs/benchmarks.md#kernels.
 """
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
-"""The released-style stages of `python -m bench`: what one call of `hermes_kernels.compat.accelerate` buys a user of
-the released HERMES code (docs/integrations.md, docs/benchmarks.md).
+"""The released-style stages of `python -m bench` (`released_step`, `released_guidance`): what one call of
+`hermes_kernels.compat.accelerate` buys a user of the released HERMES code.
 
 Both backends of a point run one instance of `scaffolding.standin` (the released classes' step, written from their
-documented behaviour: per-layer Python, new tensors per layer, cos/sin tables) on the point's cache: "released" as it
-is, "torch" / "triton" after `accelerate(instance, backend=...)`.
-
-- `released_step`: the compression after the guidance pass, per chunk. Released: `prune_kv_cache_by_attention`
-  on the three prompts' per-layer attention [1, H, q, N + q] (local and global q = 20, mixed q = 40; one tensor
-  per prompt, shared by the layers), then `_shrink_positions_and_rerotate_keys`. Accelerated: the selection from
-  the same attention pooled [L, 1, V] (as its guidance pass hands it over), then the same shrink call, in place;
-  both keep the same tokens.
-- `released_guidance`: the guidance pass itself. Released: the three manual attention passes (per layer: q/k/v of
-  the prompt from its input embeddings, the cache concatenated and its KV heads repeated, probabilities
-  materialised). Accelerated: `guidance_attention` (mixed prompt for mid layers, global for deep ones, pooled
-  without materialising). A random decoder at the shape's geometry with one set of weights for every layer
-  stands in for the language model, so the prompt's projections cost what the real model's do.
+documented behaviour) on the point's HERMES cache: "released" as it is, "torch" / "triton" after
+`accelerate(instance, backend=...)`. docs/benchmarks.md#released-stages, docs/integrations.md#what-it-buys.
 """
 from __future__ import annotations
 
@@ -107,7 +96,11 @@ def _adapter_backend(backend: str) -> str:
 
 
 def released_step_case(inputs: Inputs, backend: str, bytes_moved: int) -> Case:
-    """One chunk's compression after the guidance pass, released-style or accelerated (module docstring)."""
+    """One chunk's compression after the guidance pass. Released: `prune_kv_cache_by_attention` on the three
+    prompts' per-layer attention [1, H, q, N + q] (local and global q = 20, mixed q = 40; one tensor per prompt,
+    shared by the layers), then `_shrink_positions_and_rerotate_keys` (per-layer Python, new tensors per layer,
+    cos/sin tables). Accelerated: the selection from the same attention pooled [L, 1, V] (as its guidance pass hands
+    it over), then the same shrink call, in place. Both keep the same tokens."""
     backend = _adapter_backend(backend)
     released_family(inputs)
     r = released_inputs(inputs)
@@ -140,7 +133,11 @@ def released_step_case(inputs: Inputs, backend: str, bytes_moved: int) -> Case:
 
 
 def released_guidance_case(inputs: Inputs, backend: str) -> Case:
-    """One chunk's guidance pass, released-style (three manual passes, materialised) or accelerated (pooled)."""
+    """One chunk's guidance pass. Released: the three manual attention passes (per layer: the prompt's q/k/v from
+    its input embeddings, the cache concatenated and its KV heads repeated, probabilities materialised).
+    Accelerated: `guidance_attention` (the mixed prompt for mid layers, the global one for deep layers, pooled
+    without materialising). The language model is a random decoder at the shape's geometry with one set of weights
+    for every layer (`ReleasedInputs`), so the prompt's projections cost what the real model's do."""
     backend = _adapter_backend(backend)
     released_family(inputs)
     r = released_inputs(inputs)

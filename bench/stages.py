@@ -1,25 +1,10 @@
-"""One setup function per stage, shared by the speed and memory runs.
+"""One setup function per stage, shared by the speed and memory runs (`STAGES`: stage name -> setup).
 
-A stage's setup takes the inputs of one benchmark point (`Spec` -> `Inputs`) and a backend name and returns a
-`Case`: `run()` does the work being measured, `reset()` (in-place stages only) restores the cache outside the
-timed region, and `bytes_moved` is the least traffic the stage needs (docs/hermes.md §4), from which GB/s and the
-ratio to the memory floor follow.
-
-Two policies: the HERMES stages run on `Inputs` (one stacked cache at a token budget), the H2SVC stages
-(`h2svc_features`, `h2svc_stce`, `h2svc_step`: stage (a), (b) and the whole step of the three class blocks) on
-`H2SVCInputs` (full per-class frame memories, no budget: their rows carry budget 0). `Spec.policy` says which;
-`bench.inputs.make_inputs` builds the right one.
-
-The released-style stages (`released_step`, `released_guidance`; bench/released.py) run a stand-in of the released
-HERMES classes on the same HERMES inputs, once per shape (the largest budget and chunk of the run): backend "released"
-is the stand-in as it is, "torch" / "triton" the same instance after `hermes_kernels.compat.accelerate`; their
-"vs ref" is the released-style median over this one.
-
-Backends: "reference" is `hermes_kernels.policies.hermes.reference` / `hermes_kernels.policies.h2svc.reference`; "torch"
-and "triton" are `hermes_kernels` with that `backend=`; "torch-ops" (compact, step, h2svc_stce, h2svc_step; CPU) is the
-torch backend with its C code switched off (HERMES_KERNELS_NATIVE=0), i.e. rows moved and STCE's arrivals run by torch
-ops; "eager" (pooled attention only) materialises the [B, H, Q, N] probabilities as `output_attentions=True` does.
-A backend or stage that is not there yet raises `Unavailable`, which the harness reports as "n/a".
+A setup takes one benchmark point's inputs (`bench.inputs.make_inputs`: `Inputs` for the HERMES and released-style
+stages, `H2SVCInputs` for the H2SVC ones) and a backend name, and returns a `Case`: `run()` is timed, `reset()`
+restores an in-place stage's cache outside the timed region, and `bytes_moved`, the least traffic the stage needs,
+gives GB/s and the floor ratio. A backend or stage that does not exist raises `Unavailable` (printed "n/a"). The
+stages and backends: docs/benchmarks.md#reading-the-table.
 """
 from __future__ import annotations
 

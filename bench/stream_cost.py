@@ -1,16 +1,11 @@
-"""Per-chunk CPU cost of HermesStream on random-weight models, one thread (docs/benchmarks.md).
+"""`python -m bench.stream_cost time|real|mem`: the per-chunk CPU cost of `HermesStream` on random-weight models, one
+thread.
 
-python -m bench.stream_cost time   # tiny models, per chunk: prefill alone vs + guidance + compression (§4)
-python -m bench.stream_cost real   # the same columns at the real widths of LLaVA-OV-0.5B and Qwen2.5-VL-3B
-                                   # (bench/widths.py): 196-token frames, 4-frame chunks, budget 6000
-python -m bench.stream_cost mem    # peak tensor bytes: our guidance pass vs eager output_attentions passes
-
-`time` feeds the same chunks to two streams, one with the guidance pass on its own after the prefill
-(`fused_guidance=False`) and one with the prompts fused into the chunk's prefill (the default); their caches
-stay byte-identical (tests/hermes/policies/hermes/test_guidance.py), so both pay for the same work. Before each chunk
-the fused stream also runs the chunk's prefill alone (vision + LM forward, then truncated back): the reference the
-ratios divide by. Splits come from timers around the stream's own stages (encoder, guidance, compression); every
-time is the process's CPU time (one thread), which other jobs on a shared machine disturb less than wall time.
+`time` (tiny models) and `real` (the published widths of LLaVA-OV-0.5B and Qwen2.5-VL-3B, bench/widths.py) set a
+chunk's prefill alone against a stream that runs the guidance pass on its own and one that fuses it into the
+prefill (`split`); `mem` compares the guidance pass's peak tensor bytes with eager `output_attentions` passes.
+Times are the process's CPU time, which other jobs on a shared machine disturb less than wall time. The columns:
+docs/benchmarks.md#stream-cost.
 """
 import statistics
 import sys
@@ -85,7 +80,9 @@ def real_split(name, budget=REAL_BUDGET, frames=REAL_FRAMES, steps=5):
 
 def split(name, model, chunk, budget, frames, steps, room, target, **stream_args):
     """Feed the same chunks to a separate-guidance and a fused-guidance stream until both compress, then time
-    `steps` more chunks of each (and of the prefill alone); print the fastest chunk of each column."""
+    `steps` more chunks of each (and of the prefill alone); print the fastest chunk of each column. The two streams'
+    caches stay byte-identical (tests/hermes/policies/hermes/test_guidance.py), so both pay for the same work; the
+    splits come from `Timers` around the streams' own stages (encoder, guidance, compression)."""
     streams = {mode: HermesStream(model, tiny_tokenizer(), budget=budget, chunk_frames=frames, room=room,
                                   fused_guidance=mode == "fused", **stream_args)
                for mode in ("separate", "fused")}
@@ -128,7 +125,7 @@ def split(name, model, chunk, budget, frames, steps, room, target, **stream_args
             rows.append(row)
     finally:
         hermes_policy.run_guidance = run_guidance
-    # the runner is shared (other jobs on its 2 cores): the fastest chunk is the cost, the median the noise
+    # other jobs on a shared machine only add time: the fastest chunk is the cost, the median the noise
     best = {key: min(r[key] for r in rows) * 1e3 for key in rows[0]}
     noisy = {key: statistics.median(r[key] for r in rows) * 1e3 for key in ("alone", "separate", "fused")}
     alone = best["alone"]

@@ -1,12 +1,9 @@
-"""Random-weight models at the published widths of LLaVA-OV-0.5B and Qwen2.5-VL-3B, vision towers included.
+"""Random-weight models at the published widths of LLaVA-OV-0.5B and Qwen2.5-VL-3B, vision towers included
+(`REAL_WIDTHS`, for `python -m bench.stream_cost real`).
 
 The configs are written here from the checkpoints' published sizes (nothing downloads): every layer count, width,
 head count and MLP size is the real one, so a chunk's prefill costs what it costs on the real model; only the
-vocabulary is the tiny tokenizer's (the embedding and LM head are a few thousand rows instead of ~152k, which
-changes nothing the cache or the guidance pass touches). A memory frame is 196 tokens for both: LLaVA-OV pools
-SigLIP's 27 x 27 patch grid of a 384-pixel frame to 14 x 14; Qwen2.5-VL merges the 28 x 28 patches of a 392-pixel
-pair of video frames (one temporal step) 2 x 2, so a 4-frame chunk is 784 tokens for LLaVA-OV and 392 for Qwen.
-Weights are drawn with the checkpoints' own initializer range (0.02) in bfloat16.
+vocabulary is the tiny tokenizer's. A memory frame is 196 tokens for both (docs/benchmarks.md#stream-cost).
 """
 from __future__ import annotations
 
@@ -49,6 +46,9 @@ class RealWidth:
 
 
 def _text(**sizes) -> dict:
+    """A decoder config at the given sizes with the tiny tokenizer's vocabulary: the embedding and LM head are a few
+    thousand rows instead of ~152k, which changes nothing the cache or the guidance pass touches. Weights are drawn
+    with the checkpoints' own initializer range (0.02)."""
     vocab = len(tiny_tokenizer())
     return dict(vocab_size=vocab, initializer_range=0.02, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                 tie_word_embeddings=True, **sizes)
@@ -83,6 +83,8 @@ def qwen2_5_vl_3b_config() -> Qwen2_5_VLConfig:
 
 
 def _llava_frames(frames: int, g: torch.Generator) -> dict:
+    """`frames` video frames of 384 x 384: SigLIP's 27 x 27 patch grid of each is pooled to 14 x 14, 196 tokens a
+    frame."""
     return {"video": torch.randn(1, frames, 3, 384, 384, generator=g).to(torch.bfloat16)}
 
 

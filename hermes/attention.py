@@ -1,14 +1,9 @@
 """The one attention function the engine registers with transformers, and the model's own attention it falls
-back to (docs/policies.md).
+back to.
 
-`hermes_attention_forward` is registered as "hermes" in transformers' `AttentionInterface` and set on the
-language model only (`patch_model`). It is deliberately absent from `AttentionMaskInterface`, so the model
-hands it `attention_mask=None` and causality is applied here or by the cache. A call whose keys come from a
-policy cache (found through `hermes.cache.claim_update`) is handed to that cache's `attend`, which rotates the
-incoming tokens to their true positions and runs the policy's attention (HERMES: `hermes.policies.hermes.attention`;
-H2SVC: `hermes.policies.h2svc.attention`). Any other call (no cache, a `DynamicCache`) goes to the model's own
-attention, `model_attention`: flash-attn when installed and running on CUDA half precision, sdpa elsewhere, with
-a bottom-right causal mask when queries follow cached keys.
+`hermes_attention_forward` is registered as "hermes" and set on the language model only (`patch_model`). A call
+whose keys come from a policy cache (`hermes.cache.claim_update`) goes to that cache's `attend`; any other call (no
+cache, a `DynamicCache`) to `model_attention`. docs/policies.md#the-one-attention-function.
 """
 from __future__ import annotations
 
@@ -93,7 +88,9 @@ def padded_mask(hidden: tuple[int, torch.Tensor], count: int, total: int, device
 
 
 def register() -> None:
-    """Register `hermes_attention_forward` under HERMES_ATTENTION (idempotent)."""
+    """Register `hermes_attention_forward` under HERMES_ATTENTION (idempotent), in `AttentionInterface` only: it is
+    deliberately absent from `AttentionMaskInterface`, so the model hands it `attention_mask=None` and causality is
+    applied by the policy cache's attention or by `model_attention`."""
     AttentionInterface.register(HERMES_ATTENTION, hermes_attention_forward)
 
 

@@ -3,33 +3,9 @@ HERMES (or H2SVC) cache and answer questions about it; `run(...)` does the same 
 `--json` prints.
 
     hermes --model PATH --video FILE --question "What is the person holding?"
-    hermes --model PATH --video FILE --ask-at 30s:"What just happened?" --json
-    hermes --model PATH --video FILE --policy h2svc --head-map map.json --question "..."
+    hermes --model PATH --video FILE --policy h2svc --head-map map.json --ask-at 30s:"What just happened?" --json
 
-The path of one run: the checkpoint's config names the model family (`hermes.models`), the model loads with
-`AutoModelForImageTextToText` and its processor with `load_processor` (the real video processor, or the
-torchvision-free twin); PyAV decodes the file, scaling each frame down to what the processor keeps
-(`family.kept_size`), and frames are sampled at `fps` by timestamp (`hermes.video`);
-every `chunk_frames` samples go through the processor (`family.prepare_frames`) into
-`HermesStream.append_video`; a question given with a time is asked after the first chunk that reaches that
-time, the others after the last chunk, in order.
-
-Chunking: the cache is sized for `chunk_frames` frames, so a video with fewer sampled frames than one chunk is
-refused (ValueError: lower chunk_frames or raise fps); a longer video's last chunk holds the frames left over
-and may be shorter.
-
-Before any weights load (`check_run`): every setting is parsed (fps, chunk size, budget, --ask-at times), the
-video is opened and its frame size checked, the device is checked, the checkpoint's config.json names a supported
-family (its processor is read: no weights), the video's first chunk is decoded at the size the processor keeps and
-every --ask-at time checked against its length, the checkpoint's max_position_embeddings admits the budget, and a
-head map file is read and checked against the checkpoint's shape.
-
-Errors a user can fix raise with a one-line message naming the argument; `main` prints it as one line on stderr
-(no traceback unless --traceback) and exits with status 2 for a usage error (`UsageError`: a setting that cannot
-work — a bad value, a question timed past the end of the video, a budget past the model's positions, a head map
-of another model, a device that is not there, an unsupported model type, a video shorter than one chunk; argparse's
-own errors are 2 as well) and 1 for an input that cannot be read (a missing or corrupt video, checkpoint or head
-map file, a decoding error mid-stream) or any other failure. Warnings print as one line `warning: ...`.
+Every input is checked before any weights load (`check_run`). Options, errors, records: docs/cli.md.
 """
 from __future__ import annotations
 
@@ -73,10 +49,10 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
               fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
               head_map: str | os.PathLike | None = None, device: str | torch.device | None = None,
               dtype: str | torch.dtype = "auto", max_new_tokens: int = 64) -> RunCheck:
-    """Every check of `run` that needs no weights (module docstring), in this order: settings, the video's header,
-    the device, the checkpoint and its processor, the video's first chunk (decoded at the size the processor keeps)
-    and the --ask-at times against the video, the budget against the positions, the head map. UsageError for a
-    setting that cannot work; FileNotFoundError or ValueError for an input that cannot be read."""
+    """Every check of `run` that needs no weights (docs/cli.md#stream-a-video-file), in this order: settings, the
+    video's header, the device, the checkpoint and its processor, the video's first chunk (decoded at the size the
+    processor keeps) and the --ask-at times against the video, the budget against the positions, the head map.
+    UsageError for a setting that cannot work; FileNotFoundError or ValueError for an input that cannot be read."""
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
     from hermes_kernels import HermesConfig
 

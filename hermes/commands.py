@@ -1,15 +1,10 @@
-"""What both command-line tools share (`hermes`, `hermes-profile`): one parser scaffold, the error contract and
-loading a local checkpoint (docs/cli.md, docs/security.md#checkpoints).
+"""What both command-line tools share (`hermes`, `hermes-profile`): one parser scaffold (`command_parser`), the error
+contract (`run_command`: one line on stderr; exit status 2 for a `UsageError`, 1 for an input that cannot be read or
+any other failure, 130 on Ctrl-C) and loading a local checkpoint (docs/cli.md).
 
-Checkpoints are a trust boundary (docs/security.md): `check_checkpoint`, `load_processor` and `load_model` are the
-one place a checkpoint is read, and every `from_pretrained` there reads local files only and never runs code
-shipped with the checkpoint (`LOCAL_ONLY`); a name that is not a local folder is refused first, and weights come
-from safetensors files where the folder has them.
-
-Errors a user can fix are raised with a one-line message naming the argument; `run_command` prints it as one line
-on stderr and returns the exit status: 2 for a `UsageError` (a setting that cannot work with these inputs), 1 for an
-input that cannot be read (a missing or corrupt file) or any other failure, 130 on Ctrl-C. Warnings print as one
-line `warning: ...`.
+Checkpoints are a trust boundary: `check_checkpoint`, `load_processor` and `load_model` are the one place a
+checkpoint is read, from local files only and never running code shipped with it (`LOCAL_ONLY`);
+docs/security.md#checkpoints.
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Decode a video file with PyAV and sample its frames at a fixed rate by timestamp (the input side of the CLI).
 
-Sampling follows presentation time, never frame counts, so variable-frame-rate files come out evenly spaced.
-Time 0 is the first decoded frame; the sample for time t_k = k / fps (k = 0, 1, ...) is the frame on screen at
-t_k: the last frame whose timestamp is <= t_k. A 4 fps file sampled at 1 fps gives frames 0, 4, 8, ...; a gap
-in the file longer than 1 / fps repeats the frame shown during it (the picture did not change); sampling ends
-at the last frame's timestamp. Timestamps are compared as exact fractions (pts x time_base vs k / fps), so a
-frame at exactly t_k is never lost to rounding. Frames whose timestamp does not increase (broken muxing) are
-skipped.
-
-A file is untrusted input (docs/security.md#video): frames are scaled at decode time to what the model's processor
-keeps (`keep`), and a file is refused, with one "video:" line, when it declares frames over MAX_SIDE / MAX_PIXELS,
-has no frame that decodes, asks one chunk to hold over MAX_CHUNK_BYTES, or has a timestamp gap that would repeat
-one frame over MAX_REPEATS times. Needs PyAV (`pip install -e ".[video]"`); importing this module does not.
+Sampling follows presentation time, never frame counts, so variable-frame-rate files come out evenly spaced
+(`sample_by_time`). A file is untrusted input: frames are scaled at decode time to what the model's processor keeps,
+and MAX_SIDE, MAX_PIXELS, MAX_CHUNK_BYTES and MAX_REPEATS bound what one file may ask; each refusal is one "video:"
+line. Needs PyAV (`pip install -e ".[video]"`); importing this module does not. docs/cli.md#stream-a-video-file,
+docs/security.md#video.
 """
 from __future__ import annotations
 
@@ -67,11 +60,15 @@ def as_fraction(value: float | int | Fraction, name: str) -> Fraction:
 
 def sample_by_time(frames: Iterable[tuple[Fraction, Payload]], fps: float | Fraction) \
         -> Iterator[tuple[Fraction, int, Payload]]:
-    """Yield (sample time t_k, frame index, payload) for the frame on screen at each t_k = k / fps.
+    """Yield (sample time t_k, frame index, payload) for the frame on screen at each t_k = k / fps: the last frame
+    whose timestamp is <= t_k.
 
     frames: (timestamp, payload) in presentation order; timestamps in seconds, exact (Fraction) or float. Sample
-    times count from the first frame's timestamp. Lazy: a sample is yielded once the next frame (or the end)
-    shows that no later frame starts at or before it.
+    times count from the first frame's timestamp (time 0). A 4 fps file sampled at 1 fps gives frames 0, 4, 8, ...;
+    a gap longer than 1 / fps repeats the frame shown during it (the picture did not change); sampling ends at the
+    last frame's timestamp. Times are compared as exact fractions, so a frame at exactly t_k is never lost to
+    rounding. A frame whose timestamp does not come after the latest one (broken muxing) is skipped. Lazy: a sample
+    is yielded once the next frame (or the end) shows that no later frame starts at or before it.
     """
     step = 1 / as_fraction(fps, "fps")
     start = previous = None     # previous: (time from start, index, payload) of the frame on screen now
@@ -196,7 +193,7 @@ class VideoReader:
             raise ValueError(f"video: {self.path} has no video frames (none of its video stream decodes)")
 
     def chunks(self, fps: float, chunk_frames: int, keep: tuple[int, int] | None = None) -> Iterator[Chunk]:
-        """Frames sampled at `fps` (see the module docstring) in chunks of `chunk_frames`, scaled to
+        """Frames sampled at `fps` (`sample_by_time`) in chunks of `chunk_frames`, scaled to
         `output_size(keep)` as they are decoded; the last chunk holds what is left and may be shorter. The
         arguments are checked at the call: a chunk of chunk_frames frames over MAX_CHUNK_BYTES is a ValueError."""
         if isinstance(chunk_frames, bool) or not isinstance(chunk_frames, int) or chunk_frames < 1:

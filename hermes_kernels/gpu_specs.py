@@ -1,12 +1,10 @@
 """Compile specifications of the Triton kernels, for the GPU compile guard (`python -m bench.kernels`,
 tests/hermes_kernels/test_gpu_specs.py), which builds every kernel for sm_80 and sm_90 without a GPU.
 
-A spec names the kernels it covers, the spill bound the guard enforces on them, and a driver that calls the
-policy's own launcher at one case: a `HermesCase` or an `H2SVCCase` (each policy's `gpu_case.py`). Drivers live in
-each policy folder's `gpu_specs.py`, apart from the kernels (an op's import never loads the guard's cases), and
-`registered_specs()` imports every such module. Drivers run inside `launch.recording()` on meta tensors, so what
-the guard compiles is what the launchers produce; `jit_kernels()` lists every @triton.jit kernel of the package, and
-one that no spec launches fails the guard's test. See docs/benchmarks.md#kernels.
+A spec (`gpu_spec`) names the kernels it covers, their spill bound, and a driver that calls the policy's own launcher
+at one case (`HermesCase`, `H2SVCCase`). Drivers live in each policy folder's `gpu_specs.py`, apart from the kernels,
+and `registered_specs()` imports them; `jit_kernels()` lists every @triton.jit kernel of the package, so one that no
+spec launches fails the guard. docs/benchmarks.md#kernels.
 """
 from __future__ import annotations
 

@@ -1,33 +1,10 @@
-"""The C row kernels of the torch backend on CPU: built from this package's `.c` files with the system C compiler
-on first use, once per machine (cached on disk), and loaded with ctypes.
+"""The C loops of the torch backend on CPU: built from this package's `.c` files with the system C compiler on first
+use, once per machine (cached on disk), and loaded with ctypes (`library`, `unavailable_reason`).
 
-Why C: on CPU the compaction is a row move (read each kept row, rotate keys, write it to its slot). Any
-formulation in torch ops stages the rows through a gather buffer and then writes them out again, and that alone
-costs about twice a single pass (see `rows_torch.py`); a plain loop over rows moves every row once, in place. The C
-code takes no torch headers: tensors go in as data pointers and element strides, so a build needs only a C
-compiler (`$CC`, else `cc`, `gcc` or `clang`), as Triton's own launcher stubs do. A `$CC` that names no program
-is not replaced by another compiler: there is no library, and `unavailable_reason` says so.
-
-The build cache: `<name>-<key>.so` in `cache_folder()` (`$HERMES_KERNELS_CACHE`, else
-`$XDG_CACHE_HOME/hermes_kernels`, else `~/.cache/hermes_kernels`). The key is a SHA-256 of the source bytes, the
-compiler's path and `--version` output, the flags (with the arch flag used) and the CPU (`platform.machine()` and
-the first processor's model and flags lines of /proc/cpuinfo), so a library built with `-march=native` is never
-loaded on another CPU, nor one built from an older source or by another compiler. A process that finds the file
-loads it without compiling. A build compiles into a uniquely named file in the cache folder and renames it to the
-final name (atomic on POSIX), so processes building at once never see a half-written library. A cached file that
-fails to load is rebuilt once, even where a library of the other arch flag would load. When the folder cannot be
-created or written, the library is built per process into a temporary folder instead (it stays mapped after the
-folder is removed). Deleting the folder clears the cache. `last_build` records what the latest build did
-(`Build.action`: "cached", "built" or "failed") and `compiler_runs` counts the compilations of this process.
-
-The cache is a trust boundary (docs/security.md): the folder is created 0700, and a library is loaded from it only
-when the folder and the file belong to this user, nobody else can write either, and the file is not a symbolic
-link; otherwise it is built anew (privately) and a one-line warning says why, once.
-
-`-march=native` is used when the compiler accepts it, else no arch flag (a cached build with either is loaded,
-`-march=native` first). `HERMES_KERNELS_NATIVE=0` in the environment turns the C path off; so does a missing or
-failing compiler, or a library that does not load. Either way the torch ops path runs instead, and
-`unavailable_reason(name)` says why.
+Why C: the compaction on CPU is a row move, and a loop over rows moves each row once, in place, where torch ops stage
+the rows through a gather buffer first. The C code takes no torch headers (data pointers and element strides in), so
+a build needs only a C compiler. The build cache is a trust boundary. With `HERMES_KERNELS_NATIVE=0`, no compiler or
+a library that does not load, the torch ops path runs instead. docs/api.md#cpu-code, docs/security.md#native-cache.
 """
 from __future__ import annotations
 

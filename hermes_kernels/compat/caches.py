@@ -1,15 +1,9 @@
-"""Per-layer key/value access to the cache containers the released HERMES classes hold, by duck typing only.
-
-Three containers are recognised, without importing transformers:
-
-- a sequence of `(keys, values)` pairs, one per layer (the legacy tuple cache; LLaVA-OV's `kv_cache` after every
-  chunk, Qwen2.5-VL's after a shrink);
-- a transformers 4.x `DynamicCache`: the lists `key_cache` and `value_cache`;
-- a transformers 5.x `DynamicCache`: `layers[i].keys` and `layers[i].values`.
-
-`read_layers` returns the pairs and the container's kind; `write_layers` puts new per-layer tensors back into a
-container of the same kind (a new list or tuple for a sequence, the same object, updated entry by entry, for a
-`DynamicCache`).
+"""Per-layer key/value access to the cache containers the released HERMES classes hold, by duck typing only (no
+transformers import): a sequence of `(keys, values)` pairs, one per layer (the legacy tuple cache; LLaVA-OV's
+`kv_cache` after every chunk, Qwen2.5-VL's after a shrink), a transformers 4.x `DynamicCache` (`key_cache` /
+`value_cache`) or a 5.x one (`layers[i].keys` / `.values`). `read_layers` returns the pairs and the container's
+kind; `write_layers` puts new per-layer tensors back in a container of that kind.
+docs/integrations.md#what-it-changes.
 """
 from __future__ import annotations
 
@@ -72,7 +66,8 @@ def read_layers(cache: Any) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], st
 
 def write_layers(cache: Any, kind: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """`cache` with every layer's tensors replaced by `pairs`, in the container kind `kind`; returns what the
-    instance's `kv_cache` should be afterwards (the same object for a DynamicCache)."""
+    instance's `kv_cache` should be afterwards: the same object, updated entry by entry, for a DynamicCache; a new
+    list or tuple for a sequence."""
     if kind == LAYERS:
         for layer, (k, v) in zip(cache.layers, pairs):
             layer.keys, layer.values = k, v

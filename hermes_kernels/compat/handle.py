@@ -1,13 +1,9 @@
 """`accelerate(model)` and the `Accelerated` handle it returns: the released HERMES classes' compression step, run by
-this library's ops (docs/integrations.md).
-
-The released code (github.com/haowei-freesky/HERMES, `inference/llavaov_hermes.py` and `inference/qwenvl_hermes.py`,
-compared at commit 8d699b16) keeps all streaming state on the model object and compresses after every chunk with
-three methods. `accelerate` replaces them on one instance (never on its class) and returns a handle whose
-`restore()` puts the originals back: the guidance pass `pseudo_forward` (guidance.py), the selection
-`prune_kv_cache_by_attention` and the shrink `_shrink_positions_and_rerotate_keys` (step.py). Everything the
-instance must have is checked before anything is replaced (checks.py); the constants the released code hard-codes
-are stated in `ReleasedSchedule` (schedule.py).
+this library's ops. `accelerate` replaces three methods on one instance (never on its class), and `restore()` puts
+them back: the guidance pass `pseudo_forward` (guidance.py), the selection `prune_kv_cache_by_attention` and the
+shrink `_shrink_positions_and_rerotate_keys` (step.py). Everything the instance must have is checked before anything
+is replaced (checks.py); the constants the released code hard-codes are stated in `ReleasedSchedule` (schedule.py).
+The released code, what changes and what it buys: docs/integrations.md#released-code.
 """
 from __future__ import annotations
 

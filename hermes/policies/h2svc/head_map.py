@@ -1,29 +1,11 @@
 """The H2SVC head map on disk: what the offline profiler (docs/h2svc.md §2, `hermes.policies.h2svc.profile`) found,
-checked against the model it is loaded for.
+written as JSON (`save_head_map`) and read back checked against the model it is loaded for (`load_head_map`):
 
-    profile = profile_heads(model, processor, ["a.mp4", "b.mp4"])     # hermes.policies.h2svc.profile
-    save_head_map(profile, "map.json")
     loaded = load_head_map("map.json", model)                          # ValueError if it does not fit `model`
     H2SVCConfig.llava_ov(L, Hkv, prefix_len, head_map=loaded.head_map)
 
-The file is JSON (format `FORMAT`, version `FORMAT_VERSION`):
-
-    {"format": "hermes-kernels/h2svc-head-map", "format_version": 1, "package_version": "0.1.0",
-     "model": {"name": ..., "model_type": ..., "num_layers": L, "num_kv_heads": Hkv, "num_heads": H},
-     "ratios": {"instant": r_i, "short": r_s},
-     "head_map": [["instant" | "short" | "episodic", ... Hkv names], ... L rows],
-     "metrics": {"tad_v2v": [[...]], "tad_t2v": [[...]], "score": [[...]]},   # float [L][Hkv], mean over clips
-     "clips": [{"source", "frames", "memory_frames", "tokens_per_frame", "text_queries",
-                "tad_v2v": [[...]], "tad_t2v": [[...]]}, ...],
-     "settings": {"fps", "chunk_frames", "max_frames", "questions", "answer_tokens", "system_prompt", "dtype",
-                  "text_queries"}}
-
-Classes are stored by name (ours: readable, and independent of the INSTANT/SHORT/EPISODIC numbering); loading
-turns them back into the int64 [L, Hkv] tensor `H2SVCConfig(head_map=...)` takes. Floats are written with
-Python's shortest round-trip repr, so a saved profile loads back bit for bit. Window sizes are not stored: the
-routing does not depend on them (they size the memories, not the classes).
-
-Needs only torch and the standard library (the stream loads maps without the profiler's imports).
+Needs only torch and the standard library (the stream loads maps without the profiler's imports). The file's
+fields: docs/cli.md#profiling-heads-for-h2svc.
 """
 from __future__ import annotations
 
@@ -93,7 +75,10 @@ def _grid(tensor: torch.Tensor) -> list[list[float]]:
 
 
 def to_json(profile: HeadProfile) -> dict:
-    """The map file's content (see the module docstring) as a JSON-ready dict."""
+    """The map file's content (`FORMAT`, version `FORMAT_VERSION`; docs/cli.md#profiling-heads-for-h2svc) as a
+    JSON-ready dict. Classes are stored by name, independent of the INSTANT / SHORT / EPISODIC numbering; floats as
+    Python's shortest round-trip repr, so a saved profile loads back bit for bit. Window sizes are not stored: they
+    size the memories, not the classes, so the routing does not depend on them."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
