@@ -131,10 +131,10 @@ def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim:
         check_positive_int(name, value)
     if head_dim % 2:
         raise ValueError(f"head_dim: rotary embeddings need an even head dim, got {head_dim}")
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,):
-        raise ValueError(f"inv_freq: expected a tensor of shape [D/2={head_dim // 2}], got "
+    layout = RotaryLayout.of(rotary, head_dim // 2)  # ValueError / TypeError naming rotary
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (layout.pairs,):
+        raise ValueError(f"inv_freq: expected a tensor of shape [R/2={layout.pairs}] for {layout.describe()}, got "
                          f"{getattr(inv_freq, 'shape', type(inv_freq).__name__)}")
-    RotaryLayout.of(rotary, head_dim // 2)  # ValueError / TypeError naming rotary
     devices = [torch.device(d) for d in (layer_devices or [inv_freq.device] * num_layers)]
     if len(devices) != num_layers:
         raise ValueError(f"layer_devices: expected one device per layer ({num_layers}), got {len(devices)}")

@@ -77,11 +77,12 @@ def check_positions(positions, leading: list[int], length: int, layout: RotaryLa
 
 
 def check_rotary(inv_freq, rotary: Sequence[int] | RotaryLayout | None, head_dim: int) -> RotaryLayout:
-    """inv_freq [D/2] float; rotary None (1D RoPE), three pair counts (t, h, w) summing to D/2 (contiguous
-    sections) or a RotaryLayout of D/2 pairs. Returns the layout every rotation of the op reads."""
-    check_tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[D/2]")
-    if inv_freq.numel() != head_dim // 2:
-        raise ValueError(f"inv_freq: expected [D/2={head_dim // 2}], got {tuple(inv_freq.shape)}")
-    return RotaryLayout.of(rotary, head_dim // 2)
-
-
+    """inv_freq [R/2] float, R <= D the rotary width; rotary None (1D RoPE) or three pair counts (t, h, w, contiguous
+    sections), both over the whole head (R = D), or a RotaryLayout of R/2 pairs (partial rotary when R < D).
+    Returns the layout every rotation of the op reads."""
+    check_tensor("inv_freq", inv_freq, (1,), (torch.float32, torch.float64, torch.float16, torch.bfloat16), "[R/2]")
+    layout = RotaryLayout.of(rotary, head_dim // 2)
+    if inv_freq.numel() != layout.pairs:
+        raise ValueError(f"inv_freq: expected [R/2={layout.pairs}] for {layout.describe()} (head dim D={head_dim}), "
+                         f"got {tuple(inv_freq.shape)}")
+    return layout

@@ -19,11 +19,12 @@ class ModelGeometry:
 
     num_layers:    L decoder layers.
     num_heads:     H query heads per layer; num_kv_heads: Hkv key/value heads (H a multiple of Hkv).
-    head_dim:      D, even (D/2 rotary frequency pairs).
+    head_dim:      D, even.
     max_positions: the model's max_position_embeddings.
     rope_theta:    the RoPE base; `inv_freq()` gives the default inverse frequencies it implies.
-    rotary:        which position axis turns each frequency pair: a `RotaryLayout`, three contiguous pair counts
-                   (t, h, w) or None for 1D RoPE; stored as the `RotaryLayout` (1D included).
+    rotary:        which position axis turns each frequency pair: a `RotaryLayout` (of R/2 <= D/2 pairs: partial
+                   rotary when fewer, e.g. Qwen3.5's R = D/4), three contiguous pair counts (t, h, w) or None for
+                   1D RoPE over the whole head; stored as the `RotaryLayout` (1D included).
     Bad values raise ValueError/TypeError naming the field.
     """
 
@@ -54,16 +55,20 @@ class ModelGeometry:
         return self.rotary.num_axes == 3
 
     def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Default-RoPE inverse frequencies, float32 [D/2]: rope_theta ** (-2i / D) (computed in fp64)."""
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        """Default-RoPE inverse frequencies, float32 [R/2]: rope_theta ** (-2i / R), R = `rotary.rotary_dim` (D for
+        full rotary; computed in fp64)."""
+        width = self.rotary.rotary_dim
+        exponent = torch.arange(0, width, 2, dtype=torch.float64) / width
         return (1.0 / self.rope_theta ** exponent).to(device=device, dtype=torch.float32)
 
     def with_head_dim(self, head_dim: int) -> "ModelGeometry":
-        """The same geometry at another head dim, M-RoPE pair counts scaled with it (contiguous or interleaved,
-        as they are): the compile guard's D = 64 / 256 variants."""
+        """The same geometry at another head dim, M-RoPE pair counts (contiguous or interleaved, as they are) and a
+        partial 1D width scaled with it, rounded down: the compile guard's D = 64 / 256 variants."""
         rotary = None
         if self.mrope:
             counts = tuple(count * head_dim // self.head_dim for count in self.rotary.counts)
             build = RotaryLayout.interleaved if self.rotary.kind == "interleaved" else RotaryLayout.sections
             rotary = build(counts)
+        elif self.rotary.pairs < self.head_dim // 2:
+            rotary = RotaryLayout.one_d(self.rotary.pairs * head_dim // self.head_dim)
         return dataclasses.replace(self, head_dim=head_dim, rotary=rotary)

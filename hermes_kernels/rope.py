@@ -1,8 +1,9 @@
 """Rotary positions: delta rotations (1D and M-RoPE) and the left-compaction of positions (docs/hermes.md §2.7–2.8).
 
-Convention: rotate-half, as transformers' `apply_rotary_pos_emb`: frequency pair i couples channels i and
-i + D/2, and a rotation by angle θ_i maps (x_i, x_{i+D/2}) to
-(x_i cos θ_i − x_{i+D/2} sin θ_i, x_{i+D/2} cos θ_i + x_i sin θ_i).
+Convention: rotate-half, as transformers' `apply_rotary_pos_emb`, over the first R channels of a head of D >= R
+(R = D for most models; partial rotary, e.g. Qwen3.5's R = D/4): frequency pair i < R/2 couples channels i and
+i + R/2, a rotation by angle θ_i maps (x_i, x_{i+R/2}) to (x_i cos θ_i − x_{i+R/2} sin θ_i, x_{i+R/2} cos θ_i +
+x_i sin θ_i), and channels [R, D) are never rotated (copied bit for bit).
 Angles come from the integer delta times `inv_freq` in fp32 (fp64 for fp64 tensors), never from products of
 low-precision cos/sin tables, so rotating by p then by d is rotating by p + d up to fp32 rounding.
 """
@@ -17,7 +18,7 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class RotaryLayout:
-    """Which position axis turns each rotary frequency pair: axis[i] in [0, num_axes) for pair i of D/2.
+    """Which position axis turns each rotary frequency pair: axis[i] in [0, num_axes) for pair i of the R/2 pairs.
 
     The one description every rotation by a position delta reads (docs/hermes.md §2.8): 1D RoPE has one axis
     (positions [..., N]); M-RoPE has three, t, h and w (positions [..., 3, N]), laid out per model family:
@@ -26,7 +27,9 @@ class RotaryLayout:
       interleaved — Qwen3-VL: pair i turns with h when i % 3 == 1 and i < 3·section[1], with w when i % 3 == 2
                     and i < 3·section[2], with t otherwise ((24, 20, 20): t, h, w cycle over pairs 0-59, t holds
                     60-63).
-    Both halves of the head dim share the map (rotate-half). Frozen and hashable, so a layout can key caches.
+    Both halves of the rotary channels share the map (rotate-half). `pairs` = R/2 may be fewer than the head's D/2
+    (partial rotary: channels [R, D) never turn); only an explicit layout says so (`of`). Frozen and hashable, so a
+    layout can key caches.
     """
     axis: tuple[int, ...]
     num_axes: int
@@ -44,7 +47,7 @@ class RotaryLayout:
 
     @classmethod
     def one_d(cls, pairs: int) -> "RotaryLayout":
-        """1D RoPE over `pairs` = D/2 frequency pairs: every pair turns with the one position."""
+        """1D RoPE over `pairs` = R/2 frequency pairs: every pair turns with the one position."""
         if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1:
             raise ValueError(f"pairs: a 1D layout needs a positive pair count, got {pairs!r}")
         return cls((0,) * pairs, 1)
@@ -69,15 +72,19 @@ class RotaryLayout:
         return cls(axis, 3)
 
     @classmethod
-    def of(cls, rotary, pairs: int) -> "RotaryLayout":
-        """The layout an op's `rotary` argument describes, over `pairs` = D/2 frequency pairs: None is 1D RoPE,
-        three pair counts are contiguous sections (Qwen2.5-VL's `mrope_section`), a RotaryLayout is itself.
-        ValueError/TypeError naming `rotary` unless it covers exactly `pairs` pairs."""
+    def of(cls, rotary, head_pairs: int) -> "RotaryLayout":
+        """The layout an op's `rotary` argument describes for a head of `head_pairs` = D/2 channel pairs: None is 1D
+        RoPE and three pair counts are contiguous sections (Qwen2.5-VL's `mrope_section`), both over the whole head;
+        a RotaryLayout is itself and may cover fewer pairs (partial rotary, R < D: only ever asked for
+        explicitly). ValueError/TypeError naming `rotary` otherwise."""
         if rotary is None:
-            return cls.one_d(pairs)
+            return cls.one_d(head_pairs)
         if isinstance(rotary, RotaryLayout):
-            layout = rotary
-        elif isinstance(rotary, (Sequence, torch.Tensor)) and not isinstance(rotary, (str, bytes)):
+            if rotary.pairs > head_pairs:
+                raise ValueError(f"rotary: {rotary.describe()} covers {rotary.pairs} frequency pairs, more than the "
+                                 f"head's D/2={head_pairs}")
+            return rotary
+        if isinstance(rotary, (Sequence, torch.Tensor)) and not isinstance(rotary, (str, bytes)):
             try:
                 layout = cls.sections(rotary)
             except (TypeError, ValueError) as error:
@@ -85,19 +92,24 @@ class RotaryLayout:
         else:
             raise TypeError(f"rotary: expected None, three pair counts (t, h, w) or a RotaryLayout, got "
                             f"{type(rotary).__name__}")
-        if layout.pairs != pairs:
+        if layout.pairs != head_pairs:
             raise ValueError(f"rotary: {layout.describe()} covers {layout.pairs} frequency pairs, expected "
-                             f"D/2={pairs}")
+                             f"D/2={head_pairs} (partial rotary only through an explicit RotaryLayout)")
         return layout
 
     @property
     def pairs(self) -> int:
-        """Frequency pairs D/2 the layout covers."""
+        """Rotary frequency pairs R/2 the layout covers (= inv_freq.numel())."""
         return len(self.axis)
 
     @property
+    def rotary_dim(self) -> int:
+        """R = 2·pairs: the channels of a head that turn (the first R; a head of D > R keeps [R, D) as it is)."""
+        return 2 * self.pairs
+
+    @property
     def counts(self) -> tuple[int, ...]:
-        """Pairs per axis: (D/2,) for 1D, (t, h, w) for M-RoPE."""
+        """Pairs per axis: (R/2,) for 1D, (t, h, w) for M-RoPE."""
         return tuple(self.axis.count(a) for a in range(self.num_axes))
 
     @property
@@ -118,7 +130,7 @@ class RotaryLayout:
         return f"1d ({self.pairs} pairs)" if self.num_axes == 1 else f"M-RoPE {self.kind} {list(self.counts)}"
 
     def axis_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """int32 [D/2] axis of each pair on `device` (default CPU), built once per layout and device."""
+        """int32 [R/2] axis of each pair on `device` (default CPU), built once per layout and device."""
         return _axis_tensor(self, str(torch.device("cpu" if device is None else device)))
 
 
@@ -142,26 +154,30 @@ def _axis_tensor(layout: RotaryLayout, device: str) -> torch.Tensor:
 def rotary_angles(delta: torch.Tensor, inv_freq: torch.Tensor,
                   rotary: Sequence[int] | RotaryLayout | None = None,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rotation angles [..., T, D/2] for integer position deltas.
+    """Rotation angles [..., T, R/2] for integer position deltas.
 
-    delta: int64 [..., T] (1D layout) or [..., 3, T] (M-RoPE: t, h, w deltas); inv_freq: [D/2]; rotary: anything
-    `RotaryLayout.of` takes. Each frequency pair takes the delta of its own axis (`RotaryLayout.axis`).
+    delta: int64 [..., T] (1D layout) or [..., 3, T] (M-RoPE: t, h, w deltas); inv_freq: [R/2] (R the rotary width,
+    D for full rotary); rotary: anything `RotaryLayout.of` takes, of inv_freq's R/2 pairs. Each frequency pair takes
+    the delta of its own axis (`RotaryLayout.axis`).
     """
     layout = RotaryLayout.of(rotary, inv_freq.numel())
+    if layout.pairs != inv_freq.numel():
+        raise ValueError(f"rotary: {layout.describe()} covers {layout.pairs} frequency pairs, inv_freq has "
+                         f"{inv_freq.numel()}")
     freq = inv_freq.to(device=delta.device, dtype=dtype)
     if layout.num_axes == 1:
         return delta.to(dtype).unsqueeze(-1) * freq  # every pair turns with the one position: a broadcast
     if delta.dim() < 2 or delta.shape[-2] != 3:
         raise ValueError(f"delta: expected [..., 3, T] for {layout.describe()}, got {tuple(delta.shape)}")
     per_axis = delta.to(dtype).transpose(-1, -2)  # [..., 3, T] -> [..., T, 3]
-    # pick each pair's axis -> [..., T, D/2]
+    # pick each pair's axis -> [..., T, R/2]
     return per_axis.index_select(-1, layout.axis_tensor(delta.device)) * freq
 
 
 def rotary_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor,
                    rotary: Sequence[int] | RotaryLayout | None = None,
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., T, D/2] of `rotary_angles` (fp32 unless `dtype` says otherwise)."""
+    """cos and sin [..., T, R/2] of `rotary_angles` (fp32 unless `dtype` says otherwise)."""
     angle = rotary_angles(delta, inv_freq, rotary, dtype)
     return angle.cos(), angle.sin()
 
@@ -170,16 +186,24 @@ def apply_rotary_delta(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Ten
                        rotary: Sequence[int] | RotaryLayout | None = None) -> torch.Tensor:
     """Rotate x [..., T, D] by delta·inv_freq (§2.8); returns a new tensor in x's dtype.
 
-    delta: int64 [..., T] or, for M-RoPE, [..., 3, T], broadcastable against x's leading dims; rotary: anything
-    `RotaryLayout.of` takes. Arithmetic in fp32 (fp64 when x is fp64).
+    delta: int64 [..., T] or, for M-RoPE, [..., 3, T], broadcastable against x's leading dims; inv_freq: [R/2],
+    R <= D; rotary: anything `RotaryLayout.of` takes, of R/2 pairs. Channels [0, R) turn (arithmetic in fp32, fp64
+    when x is fp64); channels [R, D) are copied bit for bit (partial rotary: never "rotated by zero", which would
+    turn −0.0 into +0.0).
     """
+    half = inv_freq.numel()
+    if x.shape[-1] < 2 * half:
+        raise ValueError(f"x: a head of D={x.shape[-1]} channels cannot hold the R={2 * half} rotary channels of "
+                         f"inv_freq [R/2={half}]")
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = rotary_cos_sin(delta, inv_freq, rotary, work)
-    half = x.shape[-1] // 2
-    xf = x.to(work)
+    xf = x[..., :2 * half].to(work)
     x1, x2 = xf[..., :half], xf[..., half:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if 2 * half == x.shape[-1]:
+        return out
+    tail = x[..., 2 * half:]
+    return torch.cat((out, tail.expand(*out.shape[:-1], tail.shape[-1])), dim=-1)
 
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,11 @@ naming the field."""
 import pytest
 import torch
 from transformers.models.qwen2 import configuration_qwen2, modeling_qwen2
+from transformers.models.qwen3_5 import configuration_qwen3_5, modeling_qwen3_5
 
 from hermes_kernels.geometry import ModelGeometry
 from hermes_kernels.rope import RotaryLayout
+from tests.utils import assert_close_verbose
 
 GOOD = dict(num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, max_positions=4096, rope_theta=1e6)
 
@@ -33,6 +35,27 @@ def test_with_head_dim_scales_the_pairs_and_keeps_the_layout_kind(rotary):
     assert dataclasses_equal_but(wide, geometry, "head_dim", "rotary")
 
 
+def test_partial_rotary_inv_freq_and_head_dim_variants():
+    """Partial rotary (Qwen3.5: R = D/4 of D 256, interleaved [11, 11, 10]): inv_freq is the rotary width's,
+    theta ** (-2i / R) over R/2 pairs, as transformers' Qwen3.5 rotary module computes it; a head-dim variant keeps
+    its pair counts scaled with the head (1D and M-RoPE)."""
+    config = configuration_qwen3_5.Qwen3_5TextConfig(
+        hidden_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    theirs = modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(config).inv_freq
+    geometry = ModelGeometry(**{**GOOD, "head_dim": 256, "rope_theta": 1e4},
+                             rotary=RotaryLayout.interleaved((11, 11, 10)))
+    got = geometry.inv_freq()
+    exact = 1e4 ** -(torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    assert got.shape == theirs.shape == (32,) and torch.equal(got, exact.to(torch.float32))
+    assert_close_verbose(got, theirs, 1e-7, 1e-6, "partial inv_freq vs Qwen3.5's")
+    narrow = geometry.with_head_dim(64)
+    assert narrow.rotary.counts == (2, 2, 2) and narrow.rotary.kind == "interleaved"  # each count scaled, rounded down
+    one_d = ModelGeometry(**GOOD, rotary=RotaryLayout.one_d(4))
+    assert one_d.with_head_dim(64).rotary == RotaryLayout.one_d(8) and one_d.inv_freq().shape == (4,)
+    assert ModelGeometry(**GOOD).with_head_dim(64).rotary == RotaryLayout.one_d(32)
+
+
 def dataclasses_equal_but(a, b, *fields) -> bool:
     names = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_positions", "rope_theta", "rotary")
     return all(getattr(a, name) == getattr(b, name) for name in names if name not in fields)
@@ -41,7 +64,8 @@ def dataclasses_equal_but(a, b, *fields) -> bool:
 @pytest.mark.parametrize("field,value,match", [
     ("num_layers", 0, "num_layers"), ("num_heads", 7, "num_heads"), ("num_kv_heads", True, "num_kv_heads"),
     ("head_dim", 31, "head_dim"), ("max_positions", 2.0, "max_positions"), ("rope_theta", 0.5, "rope_theta"),
-    ("rope_theta", "1e6", "rope_theta"), ("rotary", (4, 4, 4), "rotary"), ("rotary", "t", "rotary")])
+    ("rope_theta", "1e6", "rope_theta"), ("rotary", (4, 4, 4), "rotary"), ("rotary", "t", "rotary"),
+    ("rotary", RotaryLayout.one_d(17), "rotary")])
 def test_bad_fields_are_refused_naming_the_field(field, value, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ModelGeometry(**{**GOOD, field: value})

@@ -1,12 +1,14 @@
 """hermes_kernels.rope: the rotary layouts (which axis turns each frequency pair) and delta rotations agree with
-transformers' own rotary modules (Qwen2.5-VL's contiguous sections, Qwen3-VL's interleaved ones) and compose;
-compaction ranks per axis."""
+transformers' own rotary modules (Qwen2.5-VL's contiguous sections, Qwen3-VL's interleaved ones, Qwen3.5's partial
+rotary) and compose; a partial rotation leaves the head's other channels bit for bit; compaction ranks per axis."""
 import pytest
 import torch
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl, modeling_qwen2_5_vl
+from transformers.models.qwen3_5 import configuration_qwen3_5, modeling_qwen3_5
 from transformers.models.qwen3_vl import configuration_qwen3_vl, modeling_qwen3_vl
 
+from hermes_kernels.checks import check_rotary
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta, compact_positions, rotary_angles, rotary_cos_sin
 from tests.utils import assert_close_verbose, inv_freq_for
 
@@ -159,12 +161,15 @@ def test_axis_tensor_is_built_once_per_device():
     (lambda: RotaryLayout((0, 1), 2), ValueError, r"RotaryLayout\.num_axes: a layout has 1 axis"),
     (lambda: RotaryLayout((), 1), ValueError, r"RotaryLayout\.axis"),
     (lambda: RotaryLayout.of([2, 3, 3], 9), ValueError, "rotary: .* covers 8 frequency pairs, expected D/2=9"),
-    (lambda: RotaryLayout.of(RotaryLayout.interleaved([2, 1, 1]), 8), ValueError, "M-RoPE interleaved"),
+    (lambda: RotaryLayout.of(RotaryLayout.interleaved([4, 2, 2]), 4), ValueError,
+     r"rotary: M-RoPE interleaved \[4, 2, 2\] covers 8 frequency pairs, more than the head's D/2=4"),
+    (lambda: RotaryLayout.of([2, 1, 1], 8), ValueError, "explicit RotaryLayout"),
     (lambda: RotaryLayout.of("233", 8), TypeError, "rotary: expected None, three pair counts"),
     (lambda: RotaryLayout.of([2, 3], 5), ValueError, "rotary: expected three non-negative pair counts"),
     (lambda: RotaryLayout.of(3, 8), TypeError, "rotary"),
 ], ids=["two-counts", "negative", "empty", "letters", "interleaved-overflow", "1d-empty", "axis-range",
-        "two-axes", "no-pairs", "of-pairs", "of-layout-pairs", "of-str", "of-two-counts", "of-int"])
+        "two-axes", "no-pairs", "of-pairs", "of-layout-pairs", "of-sections-partial", "of-str", "of-two-counts",
+        "of-int"])
 def test_layout_errors_name_the_argument(bad, error, match):
     with pytest.raises(error, match=match):
         bad()
@@ -186,3 +191,116 @@ def test_compact_positions_1d_and_per_axis():
                          [30, 31, 30, 33, 31],    # h: not monotone in cache order
                          [40, 41, 40, 41, 44]])
     assert compact_positions(kept, 3).tolist() == [[3, 3, 4, 4, 5], [3, 4, 3, 5, 4], [3, 4, 3, 4, 5]]
+
+
+# ---- partial rotary (Qwen3.5: the first R = D·partial_rotary_factor channels turn) ---------------------------------
+def qwen3_5_rotary(head_dim: int, factor: float, mrope_section, theta: float = 1e4) -> torch.nn.Module:
+    """Qwen3.5's text rotary module at this head dim, partial_rotary_factor and (interleaved) mrope_section."""
+    config = configuration_qwen3_5.Qwen3_5TextConfig(
+        hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor,
+                         "mrope_section": list(mrope_section)})
+    return modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(config)
+
+
+# (head dim D, partial_rotary_factor, mrope_section): the published D 256, R 64, [11, 11, 10] and the tiny model's
+PARTIAL_CASES = [(256, 0.25, (11, 11, 10)), (32, 0.25, (2, 1, 1)), (24, 0.5, (2, 2, 2))]
+
+
+@pytest.mark.parametrize("head_dim, factor, section", PARTIAL_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("axes", ["mrope", "1d"])
+def test_partial_rotation_matches_transformers_qwen3_5(head_dim, factor, section, axes):
+    """Qwen3.5's RoPE of x at true positions = ours from 0 with the module's own inv_freq [R/2] and the interleaved
+    layout of its mrope_section (1D: the same module with one position on every axis, our one_d layout of R/2
+    pairs); the unrotated channels [R, D) come back bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    rotary = qwen3_5_rotary(head_dim, factor, section)
+    R = int(head_dim * factor)
+    assert rotary.inv_freq.numel() == R // 2
+    x = torch.randn(2, 13, head_dim, generator=g, dtype=torch.float64)
+    if axes == "mrope":
+        positions = torch.randint(0, 500, (3, 13), generator=g)
+        layout = RotaryLayout.interleaved(rotary.mrope_section)
+    else:
+        positions = torch.randint(0, 500, (13,), generator=g)
+        layout = RotaryLayout.one_d(R // 2)
+    assert layout.rotary_dim == R
+    cos, sin = rotary(x, positions.expand(3, 13)[:, None, :])
+    want, _ = modeling_qwen3_5.apply_rotary_pos_emb(x, x, cos[0], sin[0], 0)
+    ours = apply_rotary_delta(x, positions, rotary.inv_freq, layout)
+    # the module's angles are fp32, ours fp64 (as in test_matches_transformers_mrope)
+    assert_close_verbose(ours, want, 2e-4, 2e-4, f"Qwen3.5 partial rotary ({axes})")
+    assert torch.equal(ours[..., R:], x[..., R:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_partial_rotation_copies_the_tail_bit_for_bit(dtype):
+    """Channels [R, D) of a partial rotation are the input's bytes: −0.0, NaN, ±inf and subnormals included (a
+    rotation by zero would turn −0.0 into +0.0); channels [0, R) equal the full rotation of a head of R."""
+    g = torch.Generator().manual_seed(12)
+    D, R = 20, 8
+    layout = RotaryLayout.interleaved((2, 1, 1))
+    inv_freq = inv_freq_for(R, 1e4)
+    x = torch.randn(3, 7, D, generator=g).to(dtype)
+    specials = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), torch.finfo(dtype).tiny / 4, 0.0])
+    x[..., R:R + len(specials)] = specials.to(dtype)
+    delta = torch.randint(-3000, 3000, (3, 1, 3, 7), generator=g)
+    out = apply_rotary_delta(x, delta, inv_freq, layout)
+    assert out.dtype == dtype and out.shape == (3, 3, 7, D)
+    tail = x[..., R:].expand(3, 3, 7, D - R)
+    assert torch.equal(out[..., R:].contiguous().view(torch.uint8), tail.contiguous().view(torch.uint8))
+    assert torch.equal(out[..., :R], apply_rotary_delta(x[..., :R], delta, inv_freq, layout))
+    assert not torch.isnan(out[..., :R]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_partial_rotation_composes(dtype):
+    """Rotating to p and then by d equals rotating to p + d, tails untouched, for a partial interleaved layout."""
+    g = torch.Generator().manual_seed(13)
+    layout = RotaryLayout.interleaved((11, 11, 10))
+    inv_freq = inv_freq_for(64, 1e4)
+    x = torch.randn(2, 9, 256, generator=g, dtype=dtype)
+    p = torch.randint(0, 20000, (3, 9), generator=g)
+    d = torch.randint(-5000, 5000, (3, 9), generator=g)
+    two_steps = apply_rotary_delta(apply_rotary_delta(x, p, inv_freq, layout), d, inv_freq, layout)
+    atol, rtol = TOL_ROT[dtype]
+    assert_close_verbose(two_steps, apply_rotary_delta(x, p + d, inv_freq, layout), atol * 30, rtol * 30,
+                         "R(d)R(p)x vs R(p+d)x, partial")
+    assert torch.equal(two_steps[..., 64:], x[..., 64:])
+
+
+def test_layout_rotary_dim_and_partial_descriptions():
+    """`pairs` is R/2, `rotary_dim` R; an explicit layout of fewer pairs than the head's is partial rotary, None
+    and bare section counts always cover the head."""
+    layout = RotaryLayout.interleaved((11, 11, 10))
+    assert (layout.pairs, layout.rotary_dim) == (32, 64)
+    assert RotaryLayout.of(layout, 128) is layout
+    assert RotaryLayout.of(None, 128).rotary_dim == 256
+    assert RotaryLayout.of([40, 44, 44], 128).rotary_dim == 256
+    one_d = RotaryLayout.one_d(16)
+    assert RotaryLayout.of(one_d, 64) is one_d and one_d.rotary_dim == 32
+
+
+def test_check_rotary_wants_inv_freq_of_the_rotary_pairs():
+    """check_rotary: inv_freq [R/2] = the layout's pairs, 2·pairs <= D; full rotary unless the layout is explicit."""
+    layout = RotaryLayout.interleaved((2, 1, 1))
+    assert check_rotary(inv_freq_for(8), layout, 32) is layout
+    assert check_rotary(inv_freq_for(32), None, 32) == RotaryLayout.one_d(16)
+    for inv_freq, rotary, D, error, match in (
+            (inv_freq_for(32), layout, 32, ValueError, r"^inv_freq: expected \[R/2=4\]"),
+            (inv_freq_for(8), None, 32, ValueError, r"^inv_freq: expected \[R/2=16\]"),
+            (inv_freq_for(8), [2, 1, 1], 32, ValueError, "^rotary"),
+            (inv_freq_for(8), layout, 6, ValueError, "^rotary: .* more than the head's D/2=3"),
+            (inv_freq_for(8).to(torch.int64), layout, 32, TypeError, "^inv_freq")):
+        with pytest.raises(error, match=match):
+            check_rotary(inv_freq, rotary, D)
+
+
+def test_rotations_refuse_widths_that_do_not_agree():
+    """An explicit layout must cover inv_freq's R/2 pairs, and a head must hold the R rotary channels: errors name
+    the argument."""
+    delta = torch.zeros(3, 5, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^rotary: M-RoPE interleaved .* covers 4 frequency pairs, inv_freq has 8"):
+        rotary_angles(delta, inv_freq_for(16), RotaryLayout.interleaved((2, 1, 1)))
+    with pytest.raises(ValueError, match=r"^x: a head of D=8 channels cannot hold the R=16 rotary channels"):
+        apply_rotary_delta(torch.zeros(5, 8), delta[0], inv_freq_for(16))

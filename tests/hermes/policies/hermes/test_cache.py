@@ -239,6 +239,9 @@ def test_the_cache_keeps_one_rotary_layout(section, kind):
     one_d = HermesCache(HermesConfig.llava_ov(4, 10, 3), batch_size=1, num_kv_heads=2, head_dim=16, capacity=40,
                         dtype=torch.float32, inv_freq=inv_freq_for(16), rotary=RotaryLayout.one_d(8))
     assert not one_d.mrope and one_d.rotary == RotaryLayout.one_d(8)
+    partial = HermesCache(HermesConfig.llava_ov(4, 10, 3), batch_size=1, num_kv_heads=2, head_dim=16, capacity=40,
+                          dtype=torch.float32, inv_freq=inv_freq_for(8), rotary=INTERLEAVED[8])
+    assert partial.rotary.rotary_dim == 8 and partial.mrope and partial._stacks[0].inv_freq.shape == (4,)
 
 
 def test_construction_errors():
@@ -247,7 +250,9 @@ def test_construction_errors():
                 inv_freq=inv_freq_for(16))
     for change, match in (({"capacity": 13}, "capacity"), ({"head_dim": 15}, "head_dim"),
                           ({"inv_freq": inv_freq_for(8)}, "inv_freq"), ({"rotary": [2, 2, 2]}, "^rotary"),
-                          ({"rotary": INTERLEAVED[8]}, "rotary"),
+                          # an explicit layout of fewer pairs is partial rotary: inv_freq must then be its [R/2]
+                          ({"rotary": INTERLEAVED[8]}, r"^inv_freq: expected a tensor of shape \[R/2=4\]"),
+                          ({"rotary": RotaryLayout.interleaved((6, 3, 3))}, "^rotary: .* more than the head's D/2=8"),
                           ({"layer_devices": ["cpu"] * 3}, "layer_devices"),
                           # the geometry's positive ints, each named exactly (a message's first word)
                           ({"batch_size": 0}, "^batch_size: expected a positive int, got 0$"),

@@ -417,7 +417,7 @@ def test_bad_input_raises_before_writing(backend):
         call(ValueError, "cls", (5, 3)),
         call(ValueError, "inv_freq", (6, inv_freq[:-1])),
         call(ValueError, "rotary", (7, [2, 3, 4])),
-        call(ValueError, "rotary", (7, INTERLEAVED[8])),
+        call(ValueError, "rotary", (7, INTERLEAVED[128])),
         call(ValueError, "positions", (7, RotaryLayout.one_d(8))),
         call(ValueError, r"clock\.held", held=5),
         call(ValueError, r"clock\.num_frames", num_frames=0),

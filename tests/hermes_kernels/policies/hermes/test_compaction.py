@@ -273,7 +273,7 @@ def test_bad_input_raises_before_writing(backend):
         (TypeError, "positions", (keys, values, positions.float(), keep, cfg, inv_freq, [2, 3, 3])),
         (ValueError, "positions", (keys, values, positions, keep, cfg, inv_freq, None)),
         (ValueError, "rotary", (keys, values, positions, keep, cfg, inv_freq, [2, 3, 4])),
-        (ValueError, "rotary", (keys, values, positions, keep, cfg, inv_freq, INTERLEAVED[8])),
+        (ValueError, "rotary", (keys, values, positions, keep, cfg, inv_freq, INTERLEAVED[128])),
         (ValueError, "positions", (keys, values, positions, keep, cfg, inv_freq, RotaryLayout.one_d(8))),
         (ValueError, "positions", (keys, values, positions[:, :, 0], keep, cfg, inv_freq, INTERLEAVED[16])),
         (TypeError, "rotary", (keys, values, positions, keep, cfg, inv_freq, "t, h, w")),

@@ -282,7 +282,7 @@ def bad_calls():
                                          rotary=[1, 1, 1]), ValueError, "rotary"),
         ("1D positions with interleaved", with_(rotary=INTERLEAVED[16]), ValueError, "positions"),
         ("interleaved pairs", lambda a: a | dict(positions=torch.zeros(4, 2, 3, 12, dtype=torch.int64),
-                                                 rotary=INTERLEAVED[8]), ValueError, "rotary"),
+                                                 rotary=INTERLEAVED[128]), ValueError, "rotary"),
         ("rotary type", with_(rotary=4), TypeError, "rotary"),
         ("cfg type", with_(cfg={"budget": 4}), TypeError, "cfg"),
         ("layers vs cfg", lambda a: a | dict(cfg=config(L=5, budget=5, P=3)), ValueError, "keys"),
