@@ -198,7 +198,7 @@ def test_recording_captures_launches_without_running_them():
     assert len(launches) == 1
     got = launches[0]
     assert got.kernel is kernel and got.grid == (4, 2) and got.args == (q, 7)
-    assert got.meta == {"BLOCK": 64, "num_warps": 4}
+    assert got.meta == {"BLOCK": 64, "num_warps": 4, "enable_fp_fusion": False}
 
 
 def _fake_kernel(name: str):
