@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...checks import check_written
 from ...gpu_specs import gpu_spec
 from ...launch import launch
 from .gpu_case import HermesCase
@@ -77,6 +78,7 @@ def _check_out(out: torch.Tensor | None, like: torch.Tensor) -> None:
             or out.device != like.device:
         raise ValueError(f"out: expected a {like.dtype} tensor of shape {tuple(like.shape)} on {like.device}, got "
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    check_written([("out", out)], [("attn", like)])  # every program writes its own elements, none of attn's
 
 
 def hermes_scores_torch(attn: torch.Tensor, cfg: HermesConfig, out: torch.Tensor | None = None) -> torch.Tensor:
