@@ -47,7 +47,7 @@ def hermes_geometry(size: str, layout: str, batch: int):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype, reindex", [(F16, "lazy"), (BF16, "eager"), (BF16, "lazy"), (F16, "eager")],
                          ids=["fp16-lazy", "bf16-eager", "bf16-lazy", "fp16-eager"])
-def test_hermes_step_matches_the_reference(size, layout, dtype, reindex):
+def test_hermes_triton_step_matches_the_reference(size, layout, dtype, reindex):
     L, B, Hkv, D, P, V, budget, rotary, preset = hermes_geometry(size, layout, batch=2)
     case = (L, B, Hkv, D, P, V, budget, dtype, rotary, reindex, True, True, preset)
     limit = {} if reindex == "eager" else dict(start=4 * (P + V), max_positions=4 * (P + V))  # lazy: crossed
@@ -84,7 +84,7 @@ def tie_free_rows(cfg: H2SVCConfig, case, block) -> torch.Tensor:
                                            ("1d", BF16), ("sections", F16), ("interleaved", BF16)],
                          ids=lambda x: str(x).replace("torch.", ""))
 @pytest.mark.parametrize("cls", [INSTANT, SHORT, EPISODIC], ids=["instant", "short", "episodic"])
-def test_h2svc_step_matches_the_reference(size, layout, dtype, cls):
+def test_h2svc_triton_step_matches_the_reference(size, layout, dtype, cls):
     cfg = h2svc_config(size, layout)
     W = cfg.window(cls)
     chunk = CHUNK_FRAMES if size == "7b" else 3
@@ -116,7 +116,7 @@ def test_h2svc_step_matches_the_reference(size, layout, dtype, cls):
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_a_cache_split_over_two_devices_equals_one_device(size):
+def test_a_triton_cache_split_over_two_devices_equals_one_device(size):
     """compress_stacks over cuda:0 and cuda:1 (two stacks on the CPU at the small size) against compress_step of
     the same cache on the first device: keep, flag, positions and every K/V element bit for bit."""
     devices = ["cuda:0", "cuda:1"] if DEVICE == "cuda" else ["cpu", "cpu"]

@@ -346,7 +346,7 @@ def _every_backend(features, frames, arriving, first_frame, capacity, monkeypatc
 
 
 @pytest.mark.parametrize("bad", ["nan-held", "inf-arriving", "nan-arriving"])
-def test_non_finite_features_evict_the_same_frames_in_every_backend(bad, monkeypatch):
+def test_non_finite_features_evict_the_same_frames_in_triton_torch_and_c(bad, monkeypatch):
     """A non-finite feature makes the row's centre, and so every distance, non-finite: every score is NaN, which
     every backend reads as 0, so the interior frames go oldest first (the first and newest frames stay)."""
     H, B, W, F, D = 2, 2, 5, 4, 8
@@ -363,7 +363,7 @@ def test_non_finite_features_evict_the_same_frames_in_every_backend(bad, monkeyp
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy on NaN
-def test_non_finite_distances_decide_alike_in_every_backend(monkeypatch):
+def test_non_finite_distances_decide_alike_in_triton_torch_and_c(monkeypatch):
     """NaN, +inf and float-range-overflowing entries scattered over otherwise finite distances (every way a score
     can become NaN: a NaN input, inf - inf, 0 · inf, a NaN cosine or norm): Triton, the torch ops and the C loop
     keep the same frames."""

@@ -86,7 +86,7 @@ def launches_for(L, B):
     return launch_count() - before
 
 
-def test_launch_count_independent_of_layers_and_streams():
+def test_triton_launch_count_independent_of_layers_and_streams():
     counts = {(L, B): launches_for(L, B) for L, B in [(2, 1), (28, 1), (28, 3)]}
     assert len(set(counts.values())) == 1, f"launches per step vary: {counts}"
     assert 0 < counts[(2, 1)] <= 8, f"expected a handful of launches, got {counts[(2, 1)]}"
