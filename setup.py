@@ -20,7 +20,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.15",
-        "triton>=3.0",
+        # the version the tests, the order-shuffled interpreter mode and the compile guard run with: widen the
+        # bound once they pass on another (docs/gpu.md#triton-versions)
+        "triton>=3.9,<3.10",
     ],
     # the commands (docs/cli.md); `python -m hermes` and `python -m hermes.profile_cli` run the same
     entry_points={"console_scripts": ["hermes = hermes.cli:main",

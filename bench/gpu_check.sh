@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# One check on a CUDA machine: the kernel tests on the GPU (HERMES and H2SVC stages), then the benchmark tables at
-# the LLaVA-OV-7B and Qwen2.5-VL-7B shapes in fp16 (triton, torch, reference): the HERMES stages, then the H2SVC
-# stages (frame features, STCE, the step of all three class blocks; 16-frame chunks, full memories), then the
-# stages that rotate keys at the Qwen3-VL-8B shape (interleaved M-RoPE sections; triton and torch),
-# each with the device-to-device copy bandwidth measured in the same run for the floor ratio.
+# One check on a CUDA machine: the kernel tests on the GPU (HERMES and H2SVC stages), the real-size check against the
+# references (tests/hermes_kernels/test_real_size.py at the 7B shapes: the HERMES step lazy and eager with two
+# streams, the H2SVC step of every class block, every rotary layout, fp16 and bf16, keep sets and moved caches; the
+# split launch when there are two GPUs), then the benchmark tables at the LLaVA-OV-7B and Qwen2.5-VL-7B shapes in
+# fp16 (triton, torch, reference): the HERMES stages, then the H2SVC stages (frame features, STCE, the step of all
+# three class blocks; 16-frame chunks, full memories), then the stages that rotate keys at the Qwen3-VL-8B shape
+# (interleaved M-RoPE sections; triton and torch), each with the device-to-device copy bandwidth measured in the same
+# run for the floor ratio.
 #
 #   bash bench/gpu_check.sh OUTDIR
 #
 # Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional; pytest-xdist used when there)
 # already installed; installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt,
-# tests.log, kernels.log, bench.log, bench_h2svc.log, bench_qwen3_vl.log, <gpu>.csv, <gpu>.png. Sized for a
-# 15-minute device lease with room for one rerun: at most 8 minutes (2.5 for the tests, 1 for the static compile
-# table, 2 for the HERMES table, 1.5 for the H2SVC table, 0.75 for Qwen3-VL-8B); the exit status is non-zero if the
-# tests, the compile check or a benchmark failed.
+# tests.log, real_size.log, kernels.log, bench.log, bench_h2svc.log, bench_qwen3_vl.log, <gpu>.csv, <gpu>.png. Sized
+# for a 15-minute device lease with room for one rerun: at most about 7.5 minutes (2 for the tests, 2 for the
+# real-size check, 0.75 for the static compile table, 1.25 for the HERMES table, 1 for the H2SVC table, 0.6 for
+# Qwen3-VL-8B); the exit status is non-zero if the tests, the real-size check, the compile check or a benchmark
+# failed.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -31,9 +35,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,
     --format=csv >"$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi unavailable" >"$out/nvidia-smi.txt"
 cat "$out/nvidia-smi.txt"
 
-# 1. Kernel tests on CUDA: the test files that run on tests.utils.DEVICE (cuda here). The model/stream
-#    tests run tiny models on CPU and are left to CI.
-mapfile -t cuda_tests < <(grep -rl --include='test_*.py' "from tests.utils import .*DEVICE" tests)
+# 1. Kernel tests on CUDA: the test files that run on tests.utils.DEVICE (cuda here), but the real-size check (step
+#    1b). The model/stream tests run tiny models on CPU and are left to CI.
+mapfile -t cuda_tests < <(grep -rl --include='test_*.py' "from tests.utils import .*DEVICE" tests \
+    | grep -v "test_real_size.py")
 if [[ ${#cuda_tests[@]} -eq 0 ]]; then
     echo "gpu_check: no test file imports tests.utils.DEVICE" >&2
     exit 1
@@ -45,31 +50,38 @@ if "$python" -c "import xdist" 2>/dev/null; then
     workers=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
 fi
 tests_rc=0
-timeout 150 "$python" -m pytest "${cuda_tests[@]}" "${workers[@]}" -q -p no:cacheprovider 2>&1 \
+timeout 120 "$python" -m pytest "${cuda_tests[@]}" "${workers[@]}" -q -p no:cacheprovider 2>&1 \
     | tee "$out/tests.log" || tests_rc=$?
+
+# 1b. The real-size check against the references (docs/gpu.md#real-size): its "7b" cases (the "small" ones ran in
+#     CI); the two-GPU split launch is skipped on a one-GPU machine.
+echo "== real-size check"
+real_rc=0
+timeout 120 "$python" -m pytest tests/hermes_kernels/test_real_size.py -k "7b" "${workers[@]}" -q -rs \
+    -p no:cacheprovider 2>&1 | tee "$out/real_size.log" || real_rc=$?
 
 # 2. The static compile table of the same shapes (registers, spills, occupancy, access widths), to read next to
 #    the measured times (python -m bench.kernels; it compiles for sm_80/sm_90 and needs no device).
 echo "== kernel compile table"
 kernels_rc=0
-timeout 60 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b qwen3-vl-8b --dtypes fp16 \
+timeout 45 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b qwen3-vl-8b --dtypes fp16 \
     --jobs "$(nproc)" 2>&1 | tee "$out/kernels.log" || kernels_rc=$?
 
 # 3. The benchmark table (the reference is slow Python per layer: fewer repeats).
 echo "== benchmark"
 bench_rc=0
-timeout 120 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
+timeout 75 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
     --budgets 6000 --chunks 16 --backends reference torch triton \
     --stages pooled_attention_q40 pooled_attention_q20 scores select compact step \
-    --repeats 30 --reference-repeats 2 --warmup 3 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
+    --repeats 20 --reference-repeats 1 --warmup 2 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
     || bench_rc=$?
 
 # 4. The H2SVC stages (the per-head reference step takes seconds: one timed run, one warm-up).
 echo "== benchmark: H2SVC stages"
 h2svc_rc=0
-timeout 90 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 --chunks 16 \
+timeout 60 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 --chunks 16 \
     --stages h2svc_features h2svc_stce h2svc_step --backends reference torch triton \
-    --repeats 30 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --results-dir "$out" 2>&1 \
+    --repeats 20 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --results-dir "$out" 2>&1 \
     | tee "$out/bench_h2svc.log" || h2svc_rc=$?
 
 # 5. Qwen3-VL-8B (36 layers, 8 KV heads, interleaved M-RoPE sections): the stages that rotate keys by a position
@@ -77,12 +89,13 @@ timeout 90 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b -
 #    is the tests' job).
 echo "== benchmark: Qwen3-VL-8B, interleaved M-RoPE"
 qwen3_rc=0
-timeout 45 "$python" -m bench --device cuda --shapes qwen3-vl-8b --dtypes float16 --budgets 6000 --chunks 16 \
-    --stages compact step h2svc_step --backends torch triton --repeats 20 --warmup 2 --no-e2e --no-plot \
+timeout 35 "$python" -m bench --device cuda --shapes qwen3-vl-8b --dtypes float16 --budgets 6000 --chunks 16 \
+    --stages compact step h2svc_step --backends torch triton --repeats 15 --warmup 2 --no-e2e --no-plot \
     --results-dir "$out" 2>&1 | tee "$out/bench_qwen3_vl.log" || qwen3_rc=$?
 
-echo "== gpu_check: tests exit ${tests_rc}, compile check exit ${kernels_rc}, bench exit ${bench_rc}, H2SVC bench exit" \
-    "${h2svc_rc}, Qwen3-VL bench exit ${qwen3_rc}; results in $out"
-if [[ $tests_rc -ne 0 || $kernels_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 || $qwen3_rc -ne 0 ]]; then
+echo "== gpu_check: tests exit ${tests_rc}, real-size check exit ${real_rc}, compile check exit ${kernels_rc}, bench" \
+    "exit ${bench_rc}, H2SVC bench exit ${h2svc_rc}, Qwen3-VL bench exit ${qwen3_rc}; results in $out"
+if [[ $tests_rc -ne 0 || $real_rc -ne 0 || $kernels_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 \
+      || $qwen3_rc -ne 0 ]]; then
     exit 1
 fi

@@ -2,7 +2,7 @@
 
 The launches that the specs of `hermes_kernels.gpu_specs` record on meta tensors are specialised as Triton's own
 binder does, compiled to PTX and through ptxas, and reported per kernel x target x spec: registers, spills, shared
-memory, occupancy (bench/ptx.py), grid and waves, global load/store widths. `--check` (run by
+memory, occupancy (bench/ptx.py), grid and waves, global load/store widths, approximate arithmetic. `--check` (run by
 tests/hermes_kernels/test_gpu_specs.py) fails on a kernel that does not build, spills or overflows shared memory,
 or that no spec launches, so a GPU-only failure shows on a CPU machine. docs/benchmarks.md#kernels.
 """
@@ -22,7 +22,6 @@ import multiprocessing
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -40,10 +39,10 @@ from hermes_kernels.launch import recording
 
 from .shapes import BUDGETS, CHUNK_FRAMES, SHAPES, TOKENS_PER_FRAME, ModelShape
 from .inputs import GUIDANCE_GLOBAL, GUIDANCE_MIXED
-from .ptx import SM_MODELS, global_access_mix, occupancy, parse_ptxas_log
+from .ptx import SM_MODELS, approximate_instructions, global_access_mix, occupancy, parse_ptxas_log
 
 # Bumped when what a worker extracts from a compile changes, so cached results are recomputed.
-_ANALYSIS_VERSION = 2
+_ANALYSIS_VERSION = 3
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _ROOM = 512  # the stream's default room past prefix + budget + chunk (hermes/stream.py)
 # A fresh CUDA allocation is at least 256-byte aligned; a recorded view's address is this plus its offset.
@@ -225,15 +224,15 @@ def compile_job(job: Job) -> dict:
     log = io.StringIO()
     start = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(log), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+        with contextlib.redirect_stdout(log):
             compiled = triton_compile(ASTSource(kernel, job.signature, job.constexprs, job.attrs),
                                       target=GPUTarget("cuda", job.arch, 32), options=job.options)
     except Exception as exc:  # every compile failure is a finding to report, not a crash of the guard
         return {"error": f"{type(exc).__name__}: {exc}"[:4000]}
     result = parse_ptxas_log(log.getvalue())
     result.update(shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
-                  mix=global_access_mix(compiled.asm["ptx"]), seconds=round(time.perf_counter() - start, 2))
+                  mix=global_access_mix(compiled.asm["ptx"]), approx=approximate_instructions(compiled.asm["ptx"]),
+                  seconds=round(time.perf_counter() - start, 2))
     text = json.dumps(result)
     path = _cache_dir() / f"{job.key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -323,21 +322,34 @@ def violations(rows: list[dict]) -> list[str]:
 
 def format_table(rows: list[dict]) -> str:
     header = ["kernel", "target", "spec", "cases", "warps", "regs", "spill st/ld", "smem", "blk/SM", "occ",
-              "grid@case", "waves", "ld.global", "cp.async", "st.global"]
+              "grid@case", "waves", "ld.global", "cp.async", "st.global", "approx"]
     lines = [header]
     # stable: within a kernel and target, rows stay in the order of their first case
     for row in sorted(rows, key=lambda r: (r["module"], r["kernel"], r["target"])):
         first = row["cases"][0] + (f" +{len(row['cases']) - 1}" if len(row["cases"]) > 1 else "")
         if "error" in row:
-            lines.append([row["kernel"], row["target"], row["spec"], first, "COMPILE ERROR"] + [""] * 10)
+            lines.append([row["kernel"], row["target"], row["spec"], first, "COMPILE ERROR"] + [""] * 11)
             continue
         lines.append([row["kernel"], row["target"], row["spec"], first, str(row["num_warps"]),
                       str(row["registers"]), f"{row['spill_stores']}/{row['spill_loads']}", str(row["shared"]),
                       f"{row['blocks_per_sm']} ({row['limiter']})", f"{row['occupancy']:.0%}",
                       "x".join(map(str, row["grid"])), f"{row['waves']:.2f}", _width_text(row["mix"]["ld"]),
-                      _width_text(row["mix"]["cp"]), _width_text(row["mix"]["st"])])
+                      _width_text(row["mix"]["cp"]), _width_text(row["mix"]["st"]),
+                      str(sum(row["approx"].values()))])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(" | ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def approximate_summary(rows: list[dict]) -> list[str]:
+    """One line per kernel whose PTX holds approximate arithmetic on some target: the opcodes and the largest
+    static count of each over its compiles."""
+    found: dict[str, dict[str, int]] = {}
+    for row in rows:
+        for opcode, count in row.get("approx", {}).items():
+            ops = found.setdefault(f"{row['module']}.{row['kernel']}", {})
+            ops[opcode] = max(ops.get(opcode, 0), count)
+    return [f"{kernel}: " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())) for kernel, ops in sorted(
+        found.items())]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -364,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.kernels: TRITON_INTERPRET is set; the compile guard needs the compiler (unset it)",
               file=sys.stderr)
         return 2
-    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # the guard compiles with the default
     start = time.perf_counter()
     recorded, coverage = record(spec_cases(args.models, args.dtypes, args.streams, args.policies))
     if args.kernels:
@@ -378,11 +389,17 @@ def main(argv: list[str] | None = None) -> int:
           + "; ".join(f"sm_{a} = {m.name}: {m.regs // 1024}K regs, {m.threads} threads, {m.smem // 1024} KB smem "
                       f"({m.smem_per_block // 1024} KB/block), {m.blocks} blocks, {m.sms} SMs"
                       for a, m in SM_MODELS.items() if a in args.targets))
+    approximate = approximate_summary(rows)
+    print("\napproximate arithmetic in the PTX (static counts; docs/gpu.md#rounding): "
+          + ("none" if not approximate else ""))
+    for line in approximate:
+        print(f"  {line}")
     for problem in problems:
         print(f"PROBLEM: {problem}")
     if args.json:
         report = {"kernels": sorted(gpu_specs.jit_kernels()), "targets": [f"sm_{a}" for a in args.targets],
-                  "rows": rows, "coverage": coverage, "violations": found, "seconds": seconds}
+                  "rows": rows, "coverage": coverage, "violations": found, "approximate": approximate,
+                  "seconds": seconds}
         args.json.write_text(json.dumps(report, indent=1))
     return 1 if args.check and problems else 0
 

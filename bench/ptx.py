@@ -1,6 +1,7 @@
 """Reading a compiled kernel without a GPU, for the compile guard (`bench/kernels.py`): register and spill counts
-from the `ptxas -v` log, the widths of the global loads and stores in the PTX, and the occupancy those give on an
-SM (the CUDA occupancy calculator's rules, per-SM resources of sm_80 and sm_90).
+from the `ptxas -v` log, the widths of the global loads and stores in the PTX, the approximate arithmetic it uses
+(docs/gpu.md#rounding), and the occupancy those give on an SM (the CUDA occupancy calculator's rules, per-SM
+resources of sm_80 and sm_90).
 """
 from __future__ import annotations
 
@@ -78,3 +79,18 @@ def global_access_mix(ptx: str) -> dict[str, dict[int, int]]:
         width = int(size, 0)
         mix["cp"][width] = mix["cp"].get(width, 0) + 1
     return mix
+
+
+# PTX arithmetic that is not correctly rounded (PTX ISA: div.approx / div.full within 2 ulp, rcp/sqrt/rsqrt.approx,
+# ex2/lg2.approx, sin/cos.approx with an absolute error bound, tanh.approx); div.rn, sqrt.rn and the like are exact.
+_PTX_APPROX = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:div|rcp|sqrt|rsqrt|ex2|lg2|sin|cos|tanh)\.(?:approx|full)"
+                         r"(?:\.ftz)?\.\w+)\s", re.MULTILINE)
+
+
+def approximate_instructions(ptx: str) -> dict[str, int]:
+    """Static counts of the approximate arithmetic instructions in PTX, by opcode (e.g. {"ex2.approx.f32": 3,
+    "div.full.f32": 1}); empty when every division, root and transcendental is correctly rounded."""
+    found: dict[str, int] = {}
+    for opcode in _PTX_APPROX.findall(ptx):
+        found[opcode] = found.get(opcode, 0) + 1
+    return found

@@ -3,9 +3,12 @@ the model glue.
 
 Every check runs before anything is written, so a failed call leaves its tensors untouched. Errors are ValueError
 (bad shape, value or size) or TypeError (bad type or dtype), and every message starts with the argument's name.
+Memory checks (`check_no_overlap`, `check_disjoint`) read strides and addresses only, never data, so they cost no
+device sync; checks of tensor contents run where reading them is free (`read_contents`; docs/gpu.md#contracts).
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -14,6 +17,61 @@ from .dtypes import CACHE_DTYPES
 from .rope import RotaryLayout
 
 REINDEX_MODES = ("lazy", "eager")  # when positions are re-indexed (docs/hermes.md §2.7, docs/h2svc.md §4)
+# "1": contents checks also read CUDA tensors (one host sync each), a debugging aid (docs/gpu.md#contracts)
+DEBUG_ENV = "HERMES_KERNELS_DEBUG"
+
+
+def read_contents(contents: bool | None, tensor: torch.Tensor) -> bool:
+    """Whether a contents check may read `tensor`'s values: `contents` when given (True/False); by default on CPU
+    tensors, where it is free, and on CUDA tensors only with HERMES_KERNELS_DEBUG=1, since each read is a host sync
+    that an op on the GPU must not make (meta tensors have no values to read)."""
+    if contents is not None:
+        return bool(contents)
+    if tensor.device.type == "cpu":
+        return True
+    return tensor.device.type != "meta" and os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+def check_no_overlap(name: str, x: torch.Tensor) -> None:
+    """ValueError naming `name` unless distinct indices of x address distinct elements (host-only: strides and
+    sizes). An in-place kernel gives every index to one program; a broadcast (stride-0) or otherwise overlapping
+    view would have two programs write one element. Sufficient test: ordered by stride, every dim's stride
+    exceeds the farthest element the smaller dims reach (views, slices and permutations of a buffer pass)."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz > 1):
+        if stride <= reach:
+            raise ValueError(f"{name}: elements overlap (strides {tuple(x.stride())} for shape {tuple(x.shape)}, "
+                             f"e.g. an expanded or broadcast view); an in-place op writes each element from one "
+                             f"place, so pass a tensor with memory of its own (e.g. .contiguous())")
+        reach += stride * (size - 1)
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    start = x.data_ptr()
+    return start, start + (sum(st * (sz - 1) for st, sz in zip(x.stride(), x.shape)) + 1) * x.element_size()
+
+
+def check_disjoint(name: str, x: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """ValueError naming `name` if x and other share memory (host-only: their address spans on one storage). An op
+    that writes x while reading other, or writes both, would race with itself; tensors interleaved in one buffer
+    (e.g. keys and values packed per token) are refused too: pass separate buffers."""
+    if x.device != other.device or x.device.type == "meta" or not x.numel() or not other.numel():
+        return
+    if x.untyped_storage().data_ptr() != other.untyped_storage().data_ptr():
+        return
+    (start, end), (other_start, other_end) = _byte_span(x), _byte_span(other)
+    if start < other_end and other_start < end:
+        raise ValueError(f"{name}: shares memory with {other_name}; the op writes one while reading the other, so "
+                         f"pass separate tensors")
+
+
+def check_written(written: Sequence[tuple[str, torch.Tensor]], read: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+    """The tensors an op writes in place (name, tensor): each without self-overlap, none sharing memory with
+    another written one or with a tensor the op reads while writing (`read`). Host-only."""
+    for index, (name, x) in enumerate(written):
+        check_no_overlap(name, x)
+        for other_name, other in (*written[:index], *read):
+            check_disjoint(name, x, other_name, other)
 
 
 def check_int(name: str, value, minimum: int) -> int:

@@ -1,11 +1,19 @@
-"""The one place Triton kernels are launched from, so a step's launches can be observed.
+"""The one place Triton kernels are launched from, so a step's launches can be observed and are made alike.
 
-`launch(kernel, grid, *args, **meta)` runs `kernel[grid](*args, **meta)` and counts it; tests read
-`launch_count()` before and after a step to check that it does not grow with layers or streams.
+`launch(kernel, grid, *args, **meta)` runs `kernel[grid](*args, **meta)` on the device its tensor arguments live
+on, and counts it; tests read `launch_count()` before and after a step to check that it does not grow with layers
+or streams. Two things every launch gets here (docs/gpu.md):
 
-Inside `recording()` a launch is not run but recorded (kernel, grid, arguments, meta-parameters): the GPU compile
-guard (`hermes_kernels.gpu_specs`, `python -m bench.kernels`) drives the launchers that way, with meta tensors at
-the real model shapes, so the signatures and constexprs it compiles are exactly the ones the launchers produce.
+- the device: Triton launches on the *current* CUDA device and its current stream, so the arguments' device is
+  made current for the launch (a model split over GPUs launches each stack on its own device and stream);
+  arguments on two different devices are refused, naming them, before anything runs;
+- the rounding: FMA contraction is set explicitly (`FP_FUSION`, off: every product and sum rounds once, as in the
+  torch and C twins), not left to Triton's default, which changes in Triton 3.10.
+
+Inside `recording()` a launch is not run but recorded (kernel, grid, arguments, meta-parameters, the device it
+would be made on): the GPU compile guard (`hermes_kernels.gpu_specs`, `python -m bench.kernels`) drives the
+launchers that way, with meta tensors at the real model shapes, so the signatures, constexprs and options it
+compiles are exactly the ones the launchers produce.
 """
 from __future__ import annotations
 
@@ -13,28 +21,65 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator
 
+import torch
+
+# FMA contraction of every launch (Triton's `enable_fp_fusion`): off, so a kernel's products and sums round as the
+# torch twin's do; docs/gpu.md lists what differs from the reference all the same.
+FP_FUSION = False
+
 _count = 0
 _recorded: list[Launch] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One recorded launch: `kernel[grid](*args, **meta)` as the launcher issued it."""
+    """One recorded launch: `kernel[grid](*args, **meta)` as the launcher issued it; `device` is the CUDA device
+    it would have been made current for (None: no CUDA tensor among the arguments)."""
 
     kernel: Any
     grid: tuple[int, ...]
     args: tuple[Any, ...]
     meta: dict[str, Any]
+    device: torch.device | None = None
+
+
+def _argument_names(kernel, count: int) -> list[str]:
+    names = list(getattr(kernel, "arg_names", ()))
+    return names[:count] + [f"argument {i}" for i in range(len(names), count)]
+
+
+def launch_device(kernel, args: tuple, meta: dict) -> torch.device | None:
+    """The CUDA device the tensor arguments (anything with a `device` and a `data_ptr`, as Triton takes pointers)
+    live on, or None when none is on CUDA. ValueError naming two arguments on different devices: a launch reads
+    and writes one device's memory on that device's stream."""
+    name_of = dict(zip(range(len(args)), _argument_names(kernel, len(args))))
+    found: tuple[str, torch.device] | None = None
+    for key, value in (*enumerate(args), *meta.items()):
+        if not (hasattr(value, "data_ptr") and hasattr(value, "device")):
+            continue
+        name, device = name_of.get(key, key), torch.device(value.device)
+        if found is None:
+            found = (name, device)
+        elif device != found[1]:
+            kernel_name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+            raise ValueError(f"{name}: on {device} but {found[0]} is on {found[1]}; {kernel_name} launches on "
+                             f"one device, so pass all its tensors on one")
+    return found[1] if found is not None and found[1].type == "cuda" else None
 
 
 def launch(kernel, grid, *args, **meta):
-    """Launch a @triton.jit kernel on `grid` (a tuple) and count the launch; inside `recording()`, record it."""
+    """Launch a @triton.jit kernel on `grid` (a tuple) on its tensors' device and stream, with FMA contraction
+    set by `FP_FUSION`, and count the launch; inside `recording()`, record it instead. Arguments on two devices
+    raise ValueError before anything runs."""
     global _count
+    device = launch_device(kernel, args, meta)
+    meta = {**meta, "enable_fp_fusion": FP_FUSION}
     if _recorded is not None:
-        _recorded.append(Launch(kernel, tuple(grid), args, meta))
+        _recorded.append(Launch(kernel, tuple(grid), args, meta, device))
         return None
     _count += 1
-    return kernel[grid](*args, **meta)
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        return kernel[grid](*args, **meta)
 
 
 @contextlib.contextmanager

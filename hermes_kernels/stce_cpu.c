@@ -19,15 +19,18 @@
 
 #define MAX_LANES 4096
 
-/* I(j) from d2(j, p), d2(j, n), d2(p, n) and log(t_n - t_p), as `_curvature_torch`. */
+/* I(j) from d2(j, p), d2(j, n), d2(p, n) and log(t_n - t_p), as `_curvature_torch`; a NaN score is 0 (torch's
+ * min and clamp propagate NaN, these comparisons would not: a NaN input scores 0 here directly). */
 #define DEFINE_CURVATURE(NAME, REAL, SQRT)                                                                    \
     static REAL NAME(REAL d_in, REAL d_out, REAL d_pn, REAL log_gap) {                                    \
+        if (isnan(d_in) || isnan(d_out) || isnan(d_pn)) return (REAL)0;                                   \
         const REAL norm_in = SQRT(d_in), norm_out = SQRT(d_out);                                              \
         const REAL norms = norm_in * norm_out;                                                            \
         REAL cos = norms > 0 ? (REAL)0.5 * (d_pn - d_in - d_out) / norms : (REAL)0;                         \
         cos = cos < (REAL)-1 ? (REAL)-1 : (cos > (REAL)1 ? (REAL)1 : cos);                                 \
         const REAL shorter = norm_in < norm_out ? norm_in : norm_out;                                      \
-        return ((REAL)1 - cos) * shorter * log_gap;                                                           \
+        const REAL score = ((REAL)1 - cos) * shorter * log_gap;                                              \
+        return isnan(score) ? (REAL)0 : score;                                                               \
     }
 
 /* One row: lanes [M] of times, d2 [M, M], kept [capacity] out (ascending frame indices, -1 padded). */

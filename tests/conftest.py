@@ -1,6 +1,8 @@
-"""Pick the Triton interpreter when there is no GPU (it must be set before triton is first imported), and the
-fixtures the test folders share. Helpers live in importable modules (tests/utils.py, tests/hermes/streams.py)."""
+"""Pick the Triton interpreter when there is no GPU (it must be set before triton is first imported), the
+interpreter's program order (`--program-order`, docs/testing.md#program-order), and the fixtures the test folders
+share. Helpers live in importable modules (tests/utils.py, tests/hermes/streams.py)."""
 import os
+import zlib
 
 import pytest
 import torch
@@ -8,7 +10,34 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.program_order import ORDERS, program_order  # noqa: E402
 from tests.utils import DEVICE, TORCH_OPS  # noqa: E402 (after the interpreter switch: it imports triton)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--program-order", choices=ORDERS, default="in-order",
+                     help="run every interpreted Triton launch's programs in this order (default: in-order, the "
+                          "interpreter's own); needs the interpreter (no CUDA)")
+    parser.addoption("--program-seed", type=int, default=0, help="seed of --program-order shuffled (default 0)")
+
+
+def pytest_configure(config):
+    if config.getoption("--program-order") != "in-order" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise pytest.UsageError("--program-order: reorders the Triton interpreter's programs, and this run compiles "
+                                "for a GPU (TRITON_INTERPRET is not set)")
+
+
+@pytest.fixture(autouse=True)
+def _program_order(request):
+    """Every test under --program-order's order; a shuffled test draws from a seed of its own (the run's seed and
+    its node id), so it fails the same way when run alone."""
+    order = request.config.getoption("--program-order")
+    if order == "in-order":
+        yield
+        return
+    seed = zlib.crc32(f"{request.config.getoption('--program-seed')}:{request.node.nodeid}".encode())
+    with program_order(order, seed):
+        yield
 
 
 @pytest.fixture

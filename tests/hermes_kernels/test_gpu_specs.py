@@ -94,6 +94,23 @@ def test_row_moves_are_16_byte_vectors(guard):
                 assert set(row["mix"]["st"]) == {"16"}, f"{_where(row)}: a narrow K/V store: {row['mix']}"
 
 
+# the approximate instructions a kernel's PTX may hold, by opcode family (docs/gpu.md#rounding): ex2.approx in the
+# softmax of the pooled attention and in the scores' recency; every division and root is correctly rounded (the
+# scores and frame features decide keep sets and STCE evictions: they divide with hermes_kernels.rounding.div_rn)
+APPROXIMATE_ALLOWED = {"_row_lse_kernel": {"ex2"}, "_pooled_kernel": {"ex2"}, "_hermes_scores_kernel": {"ex2"}}
+
+
+def test_only_the_documented_approximate_arithmetic_reaches_the_ptx(guard):
+    for row in guard["rows"]:
+        if "error" in row:
+            continue
+        families = {opcode.split(".")[0] for opcode in row["approx"]}
+        assert families <= APPROXIMATE_ALLOWED.get(row["kernel"], set()), \
+            f"{_where(row)}: approximate {row['approx']} (docs/gpu.md#rounding lists what is expected)"
+    assert any(row["approx"] for row in guard["rows"] if row["kernel"] == "_hermes_scores_kernel"), \
+        "the guard no longer sees the scores' ex2.approx: is it reading the PTX?"
+
+
 def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
     cases = [c for c in guard_module.spec_cases() if isinstance(c, HermesCase)]
     seen = {(c.dtype, c.rotary.kind, c.geometry.head_dim) for c in cases}
@@ -210,6 +227,22 @@ def test_ptx_access_mix():
     assert ptx.global_access_mix(text) == {"ld": {16: 2, 4: 1}, "cp": {16: 1}, "st": {2: 1, 16: 1}}
 
 
+def test_approximate_instructions_are_counted_by_opcode():
+    text = """
+	ex2.approx.f32 %f1, %f2;
+	@%p1 ex2.approx.ftz.f32 %f3, %f4;
+	div.full.f32 %f5, %f6, %f7;
+	div.rn.f32 %f8, %f6, %f7;
+	sqrt.rn.f32 %f9, %f8;
+	sin.approx.ftz.f32 %f10, %f9;
+	rcp.approx.ftz.f64 %fd1, %fd2;
+	mul.f32 %f11, %f10, %f9;
+"""
+    assert ptx.approximate_instructions(text) == {"ex2.approx.f32": 1, "ex2.approx.ftz.f32": 1, "div.full.f32": 1,
+                                                  "sin.approx.ftz.f32": 1, "rcp.approx.ftz.f64": 1}
+    assert ptx.approximate_instructions("div.rn.f32 %f1, %f2, %f3;\nsqrt.rn.f32 %f4, %f1;\n") == {}
+
+
 def test_recording_captures_launches_without_running_them():
     kernel = types.SimpleNamespace()  # not a kernel: running it would raise
     before = launch_count()
@@ -223,7 +256,7 @@ def test_recording_captures_launches_without_running_them():
     assert len(launches) == 1
     got = launches[0]
     assert got.kernel is kernel and got.grid == (4, 2) and got.args == (q, 7)
-    assert got.meta == {"BLOCK": 64, "num_warps": 4}
+    assert got.meta == {"BLOCK": 64, "num_warps": 4, "enable_fp_fusion": False}
 
 
 def _fake_kernel(name: str):

@@ -8,14 +8,16 @@ The generic helpers come from `hermes_kernels.checks` (one copy for both policie
 Two kinds of checks (ours): *structure* (types, shapes, dtypes, devices, host ints) always runs and never reads
 a tensor's contents; *contents* (frame indices distinct and older than the arrivals, features finite, ...)
 reads tensor values, which on a GPU is a host synchronisation. `contents=None` (the default) runs them only
-for CPU tensors, so a step on CUDA stays free of host syncs (docs/h2svc.md §7.3); pass True to force them anywhere (the
-reference does) or False to skip them.
+for CPU tensors, so a step on CUDA stays free of host syncs (docs/h2svc.md §7.3), unless HERMES_KERNELS_DEBUG=1
+(`hermes_kernels.checks.read_contents`); pass True to force them anywhere (the reference does) or False to skip
+them. The memory of the tensors a step writes in place is checked by strides alone (docs/gpu.md#contracts).
 """
 from __future__ import annotations
 
 import torch
 
-from ...checks import check_int, check_keys_values, check_positions, check_rotary, check_same_device, check_tensor
+from ...checks import (check_int, check_keys_values, check_positions, check_rotary, check_same_device, check_tensor,
+                       check_written, read_contents)
 from ...dtypes import CACHE_DTYPES, SCORE_DTYPES
 from .clock import StreamClock
 from .config import EPISODIC, H2SVCConfig, class_counts, class_id
@@ -23,11 +25,6 @@ from .config import EPISODIC, H2SVCConfig, class_counts, class_id
 __all__ = ["check_config", "check_frame_features", "check_trajectory", "check_stce", "check_fifo",
            "check_h2svc_step", "check_arriving_features", "check_attention_profile", "check_tad_pair",
            "check_head_scores"]
-
-
-def _read_contents(contents: bool | None, tensor: torch.Tensor) -> bool:
-    # reading values of a CPU tensor costs nothing; of a GPU tensor it is a host sync the step must not make
-    return tensor.device.type == "cpu" if contents is None else bool(contents)
 
 
 def _check_held_frames(name: str, frames: torch.Tensor, first_frame: int, first_name: str) -> torch.Tensor:
@@ -115,7 +112,7 @@ def check_stce(features, slot_frames, arriving, first_frame, capacity, contents:
         raise ValueError(f"arriving: expected [H={H}, B={B}, F>=1, D={D}], got {tuple(arriving.shape)}")
     check_int("first_frame", first_frame, 0)
     check_int("capacity", capacity, 2)
-    if _read_contents(contents, features):
+    if read_contents(contents, features):
         held = _check_held_frames("slot_frames", slot_frames, first_frame, "first_frame")
         if bool((held > capacity).any()):
             raise ValueError(f"slot_frames: a row holds {int(held.max())} frames, more than capacity={capacity}")
@@ -133,7 +130,7 @@ def check_fifo(slot_frames, first_frame, num_frames, window, contents: bool | No
     check_int("first_frame", first_frame, 0)
     check_int("num_frames", num_frames, 1)
     check_int("window", window, 1)
-    if _read_contents(contents, slot_frames):
+    if read_contents(contents, slot_frames):
         _check_held_frames("slot_frames", slot_frames, first_frame, "first_frame")
 
 
@@ -191,7 +188,10 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, r
         check_same_device("features", features, "keys", keys)
     elif features is not None:
         raise ValueError(f"features: only EPISODIC blocks carry frame features; class {cls} takes None")
-    if _read_contents(contents, keys):
+    # the step rewrites these in place while reading inv_freq: no element twice, no shared memory
+    written = [("keys", keys), ("values", values), ("positions", positions), ("slot_frames", slot_frames)]
+    check_written(written + ([("features", features)] if cls == EPISODIC else []), [("inv_freq", inv_freq)])
+    if read_contents(contents, keys):
         if bool((slot_frames[..., :held] < 0).any()):
             raise ValueError(f"slot_frames: the first held={held} home slots must all hold a frame (>= 0)")
         if bool((slot_frames[..., held:] != -1).any()):
@@ -207,7 +207,7 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, r
 def check_arriving_features(arriving: torch.Tensor, contents: bool | None = None) -> None:
     """The arriving frames' features [H_c, B, F, D] finite (contents check, CPU tensors by default), before the
     step writes anything: what `check_h2svc_step(..., arriving_values=False)` leaves to its caller."""
-    if _read_contents(contents, arriving):
+    if read_contents(contents, arriving):
         _check_finite("values", arriving, "the arriving frames (their mean is not finite)")
 
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ...dtypes import TRITON_WORK, work_dtype
 from ...launch import launch
+from ...rounding import div_rn
 
 __all__ = ["frame_features_torch", "frame_features_triton"]
 
@@ -57,7 +58,7 @@ def _frame_features_kernel(v_ptr, out_ptr, sv_h, sv_b, sv_n, sv_d, so_h, so_b, s
         tile = tl.load(base + token.to(tl.int64)[:, None] * sv_n + channel[None, :] * sv_d, mask=mask, other=0)
         total += tl.sum(tile.to(WORK), axis=0)
     out = out_ptr + row.to(tl.int64) * so_h + stream.to(tl.int64) * so_b + frame.to(tl.int64) * so_f
-    tl.store(out + channel * so_d, total / T, mask=in_dim)
+    tl.store(out + channel * so_d, div_rn(total, T), mask=in_dim)  # correctly rounded: features decide STCE
 
 
 def frame_features_triton(values: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:

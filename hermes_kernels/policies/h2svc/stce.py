@@ -24,6 +24,9 @@ Decisions the contract leaves open (ours): features are centred per row (minus t
 frames) before the Gram matrix, which leaves every distance unchanged but shrinks the entries the subtraction
 cancels; a cosine is clamped to [-1, 1] against rounding (so I >= 0), and is 0 when |v_in|·|v_out| = 0 (then I = 0,
 as the contract states). Lane order is temporal order, so "ties evict the older frame" is "the lowest lane wins".
+A score that is not a number (non-finite features, which on CUDA reach the step unchecked to spare a host sync)
+is 0 in every backend, NaN propagating through every min, max and clamp before that, so the Triton kernel (whose
+GPU min/max would drop a NaN operand), the torch ops and the C loop evict the same frames (docs/gpu.md#contracts).
 """
 from __future__ import annotations
 
@@ -81,7 +84,8 @@ def _curvature_torch(d_in: torch.Tensor, d_out: torch.Tensor, d_pn: torch.Tensor
     norm_in, norm_out = d_in.sqrt(), d_out.sqrt()
     norms = norm_in * norm_out
     cos = torch.where(norms > 0, 0.5 * (d_pn - d_in - d_out) / norms, 0.0).clamp_(-1.0, 1.0)
-    return (1.0 - cos) * torch.minimum(norm_in, norm_out) * gap.to(d_in.dtype).log()
+    score = (1.0 - cos) * torch.minimum(norm_in, norm_out) * gap.to(d_in.dtype).log()
+    return score.masked_fill_(score.isnan(), 0.0)  # NaN scores 0 (see the module docstring)
 
 
 def stce_select_torch(features: torch.Tensor, slot_frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
@@ -182,7 +186,8 @@ def _pick(vector, lanes, lane):
 @triton.jit
 def _score(d_in, d_out, d_pn, gap):
     """I(j) from d2(j, p), d2(j, n), d2(p, n) and t_n - t_p, as `_curvature_torch` (IEEE sqrt and division: the
-    fast approximate ones of fp32 would move scores by more than torch's rounding)."""
+    fast approximate ones of fp32 would move scores by more than torch's rounding). min, max and the clamp
+    propagate NaN as torch's do (a GPU's default min/max return the other operand); a NaN score is 0."""
     if d_in.dtype == tl.float64:
         norm_in = tl.sqrt(d_in)
         norm_out = tl.sqrt(d_out)
@@ -196,8 +201,9 @@ def _score(d_in, d_out, d_pn, gap):
         ratio = dot / safe
     else:
         ratio = tl.div_rn(dot, safe)
-    cos = tl.minimum(tl.maximum(tl.where(norms > 0, ratio, 0.0), -1.0), 1.0)
-    return (1.0 - cos) * tl.minimum(norm_in, norm_out) * tl.log(gap.to(d_in.dtype))
+    cos = tl.clamp(tl.where(norms > 0, ratio, 0.0), -1.0, 1.0, propagate_nan=tl.PropagateNan.ALL)
+    score = (1.0 - cos) * tl.minimum(norm_in, norm_out, propagate_nan=tl.PropagateNan.ALL) * tl.log(gap.to(d_in.dtype))
+    return tl.where(score != score, 0.0, score)
 
 
 @triton.jit

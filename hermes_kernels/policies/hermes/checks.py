@@ -2,8 +2,10 @@
 kernels (`hermes_kernels.policies.hermes.ops`) (docs/hermes.md §3).
 
 Every check runs before anything is written, so a failed call leaves the cache untouched. Errors name the
-argument and the expected shape. The only host synchronisation is the finiteness test of `attn`. The generic
-checks both policies use are `hermes_kernels.checks`.
+argument and the expected shape. The only host synchronisation is the finiteness test of `attn`; the contents of
+`keep` are checked where reading them is free (CPU tensors; CUDA with HERMES_KERNELS_DEBUG=1), the memory of the
+tensors written in place by strides alone (docs/gpu.md#contracts). The generic checks both policies use are
+`hermes_kernels.checks`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from ...checks import check_keys_values, check_positions, check_rotary, check_same_device, check_tensor
+from ...checks import (check_disjoint, check_keys_values, check_positions, check_rotary, check_same_device,
+                       check_tensor, check_written, read_contents)
 from ...dtypes import CACHE_DTYPES, SCORE_DTYPES
 from ...rope import RotaryLayout
 from .config import HermesConfig
@@ -113,17 +116,44 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         raise ValueError(f"keys: head dim D={D} must be even for rotary embeddings")
     layout = check_rotary(inv_freq, rotary, D)
     check_positions(positions, [L, B], N, layout, keys)
+    # the step rewrites all three in place while reading inv_freq: no element twice, no shared memory
+    check_written([("keys", keys), ("values", values), ("positions", positions)], [("inv_freq", inv_freq)])
     return layout
 
 
-def check_keep(keep: torch.Tensor, keys: torch.Tensor, cfg: HermesConfig) -> None:
-    """keep int64 [L, B, min(budget, V)] on keys' device (as returned by `select_keep`)."""
+def check_keep(keep: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               cfg: HermesConfig, layers: range | None = None, contents: bool | None = None) -> None:
+    """keep int64 [L, B, min(budget, V)] on keys' device (as returned by `select_keep`), sharing no memory with the
+    cache it compacts. Contents (`hermes_kernels.checks.read_contents`: CPU tensors; CUDA with
+    HERMES_KERNELS_DEBUG=1): row (l, b) holds n_l = min(layer_budget[l], V) visual indices in [0, V), strictly
+    increasing, then -1. The in-place compaction relies on it: a repeated index has two tokens written to one slot,
+    one out of range reads and writes outside the cache, one out of order overwrites a row before it is moved."""
     L, B, _, N, _ = keys.shape
-    n = min(cfg.budget, N - cfg.prefix_len)
+    V = N - cfg.prefix_len
+    n = min(cfg.budget, V)
     check_tensor("keep", keep, (3,), (torch.int64,), f"[L={L}, B={B}, n={n}] int64")
     if list(keep.shape) != [L, B, n]:
         raise ValueError(f"keep: expected [L={L}, B={B}, n={n}] int64, got {tuple(keep.shape)}")
     check_same_device("keep", keep, "keys", keys)
+    for name, cache in (("keys", keys), ("values", values), ("positions", positions)):
+        check_disjoint("keep", keep, name, cache)
+    if not read_contents(contents, keep):
+        return
+    layers = range(L) if layers is None else layers
+    counts = cfg.layer_budget[layers.start:layers.stop].clamp(max=V).to(keep.device).view(L, 1, 1)
+    kept = torch.arange(n, device=keep.device) < counts  # [L, 1, n]: the columns that hold an index
+    outside = torch.where(kept, (keep < 0) | (keep >= V), keep != -1)
+    if bool(outside.any()):
+        l, b, i = outside.nonzero()[0].tolist()
+        raise ValueError(f"keep: row (layer {layers.start + l}, stream {b}) column {i} holds {int(keep[l, b, i])}; "
+                         f"expected the first {int(counts[l])} columns to hold visual indices in [0, V={V}) and the "
+                         f"rest -1")
+    descents = kept[..., 1:] & (keep[..., 1:] <= keep[..., :-1])
+    if bool(descents.any()):
+        l, b, i = descents.nonzero()[0].tolist()
+        raise ValueError(f"keep: row (layer {layers.start + l}, stream {b}) is not strictly increasing at column "
+                         f"{i + 1} ({int(keep[l, b, i])} then {int(keep[l, b, i + 1])}); indices must be ascending "
+                         f"and distinct")
 
 
 def check_compress(keys, values, positions, attn, cfg, inv_freq, rotary) -> RotaryLayout:
@@ -166,6 +196,10 @@ def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig,
         if layers.start != next_layer:
             raise ValueError(f"stacks[{index}]: layers {layers} should start at layer {next_layer}; the stacks' "
                              f"ranges must cover layers 0..{cfg.num_layers - 1} in order, without gaps or overlaps")
+        for earlier, (_, *tensors) in enumerate(stacks[:index]):  # each stack is written by its own launches
+            for name, x in (("keys", keys), ("values", values), ("positions", positions)):
+                for other_name, other in zip(("keys", "values", "positions"), tensors[:3]):
+                    check_disjoint(f"stacks[{index}]: {name}", x, f"stacks[{earlier}]'s {other_name}", other)
         first_shape = stacks[0][1].shape[1:]
         if keys.shape[1:] != first_shape:
             raise ValueError(f"stacks[{index}]: keys [L, B, Hkv, N, D] = {tuple(keys.shape)} differ from stack 0's "

@@ -18,6 +18,7 @@ import triton.language as tl
 from ... import ranks, workspace
 from ...dtypes import TRITON_WORK, work_dtype
 from ...launch import launch
+from ...rounding import div_rn
 from ...rope import RotaryLayout
 from .config import DEEP, HermesConfig
 
@@ -315,13 +316,13 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, axis_ptr, budg
 
     if summarise:
         # Alg. 1: the means go to slot P + n_l, right after the kept tokens
-        count = (V - n_keep).to(WORK)
+        count = (V - n_keep).to(WORK)  # the means divide correctly rounded, as the torch twin's
         k_at = k_base + (P + n_keep).to(tl.int64) * sk_n
         v_at = v_base + (P + n_keep).to(tl.int64) * sv_n
-        tl.store(k_at + k_col1, (sum_k1 / count).to(k_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
-        tl.store(k_at + k_col2, (sum_k2 / count).to(k_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
-        tl.store(v_at + v_col1, (sum_v1 / count).to(v_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
-        tl.store(v_at + v_col2, (sum_v2 / count).to(v_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+        tl.store(k_at + k_col1, div_rn(sum_k1, count).to(k_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+        tl.store(k_at + k_col2, div_rn(sum_k2, count).to(k_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+        tl.store(v_at + v_col1, div_rn(sum_v1, count).to(v_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
+        tl.store(v_at + v_col2, div_rn(sum_v2, count).to(v_ptr.dtype.element_ty)[None, :], mask=in_dim[None, :])
 
 
 def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,

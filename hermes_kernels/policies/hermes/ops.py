@@ -56,7 +56,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
     """
     layers = check_layers(layers, cfg)
     layout = check_cache(keys, values, positions, cfg, inv_freq, rotary, layers)
-    check_keep(keep, keys, cfg)
+    check_keep(keep, keys, values, positions, cfg, layers)
     check_reindexed(reindexed, keys)
     impl = pick(backend, keys.device, compaction_triton.compact_triton, compaction.compact_torch)
     return impl(keys, values, positions, keep, cfg, inv_freq, layout, layers, reindexed)

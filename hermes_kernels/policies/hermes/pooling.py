@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...checks import check_written
 from ...launch import launch
 
 _LOG2E = 1.4426950408889634
@@ -40,6 +41,8 @@ def _output(out: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch
     elif out.shape != shape or out.dtype != torch.float32 or out.device != q.device:
         raise ValueError(f"out: expected float32 {list(shape)} on {q.device}, got {out.dtype} {tuple(out.shape)} "
                          f"on {out.device}")
+    else:
+        check_written([("out", out)], [("q", q), ("k", k)])  # written while q and k are read
     return out if out.dim() == 3 else out.unsqueeze(0)
 
 

@@ -116,7 +116,7 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
     """
     layers = check_layers(layers, cfg)
     layout = check_cache(keys, values, positions, cfg, inv_freq, rotary, layers)
-    check_keep(keep, keys, cfg)
+    check_keep(keep, keys, values, positions, cfg, layers, contents=True)
     check_reindexed(reindexed, keys)
     L, B, _, N, _ = keys.shape
     P = cfg.prefix_len

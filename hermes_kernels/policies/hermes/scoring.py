@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...checks import check_written
 from ...launch import launch
+from ...rounding import div_rn
 from .config import HermesConfig
 
 
@@ -75,6 +77,7 @@ def _check_out(out: torch.Tensor | None, like: torch.Tensor) -> None:
             or out.device != like.device:
         raise ValueError(f"out: expected a {like.dtype} tensor of shape {tuple(like.shape)} on {like.device}, got "
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    check_written([("out", out)], [("attn", like)])  # every program writes its own elements, none of attn's
 
 
 def hermes_scores_torch(attn: torch.Tensor, cfg: HermesConfig, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,12 +138,13 @@ def _hermes_scores_kernel(attn_ptr, out_ptr, params_ptr, L, V,
         a_min = tl.min(lo, axis=0)
         a_max = tl.max(hi, axis=0)
         a = tl.load(row + offs * stride_av, mask=in_row, other=0.0)
-        A = (a - a_min) / (a_max - a_min + eps)
+        # correctly rounded divisions (a GPU's float32 `/` is approximate): these scores decide the keep sets
+        A = div_rn(a - a_min, a_max - a_min + eps)
         omega = tl.load(params_ptr + layer)
         k = tl.load(params_ptr + L + layer)
-        recency = tl.exp(-k * distance / span)
-        r_min = tl.exp(-k * oldest / span)
-        R = (recency - r_min) / (1 - r_min + eps)
+        recency = tl.exp(div_rn(-k * distance, span))
+        r_min = tl.exp(div_rn(-k * oldest, span))
+        R = div_rn(recency - r_min, 1 - r_min + eps)
         raw = (1 - omega) * A + omega * R
         # the deepest layer keeps its raw score: λ is taken as 0 there
         lam = tl.where(layer == L - 1, 0.0, tl.load(params_ptr + 2 * L + layer))

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...checks import check_written
 from ...launch import launch
 from .config import HermesConfig
 
@@ -35,6 +36,8 @@ def _outputs(scores: torch.Tensor, cfg: HermesConfig, out: torch.Tensor | None,
             got = f"{buf.dtype} {tuple(buf.shape)} (contiguous: {buf.is_contiguous()}) on {buf.device}" \
                 if isinstance(buf, torch.Tensor) else type(buf).__name__
             raise ValueError(f"{name}: expected a contiguous {dtype} {list(shape)} on {scores.device}, got {got}")
+    given = [(name, buf) for name, buf in (("out", out), ("dest_out", dest_out)) if buf is not None]
+    check_written(given, [("scores", scores)])  # written while the scores are read
     return n, out, dest_out
 
 

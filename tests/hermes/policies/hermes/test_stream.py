@@ -99,7 +99,7 @@ def test_guidance_scores_match_eager_attention(case, compressed):
                                      f"stream {b}")
 
 
-def test_guidance_backends_agree_on_the_cache_views(case):
+def test_guidance_of_the_triton_and_torch_backends_agrees_on_the_cache_views(case):
     """The Triton pooled-attention kernel (interpreter on CPU) reads the cache's strided views and the
     reordered guidance keys exactly like the torch backend."""
     g = torch.Generator().manual_seed(8)

@@ -331,3 +331,57 @@ def test_c_loop_refuses_a_log_table_shorter_than_the_frames():
     kept = stce_module._select_rows_native(times, d2, W, newest + 1, W)
     assert torch.equal(kept.view(H, B, W), stce_module.stce_select_torch(features, frames, arriving, first_frame, W))
 
+
+
+def _every_backend(features, frames, arriving, first_frame, capacity, monkeypatch) -> dict[str, torch.Tensor]:
+    """Keep sets of the Triton kernel, the torch ops and (CPU) the C loop, called past the op's checks: on CUDA
+    non-finite features reach them unchecked (the check would be a host sync)."""
+    args = (*on_device(features, frames, arriving), first_frame, capacity)
+    got = {"triton": stce_module.stce_select_triton(*args), "torch": stce_module.stce_select_torch(*args)}
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    got[TORCH_OPS] = stce_module.stce_select_torch(*args)
+    monkeypatch.delenv(native.ENV_SWITCH)
+    return {name: kept.cpu() for name, kept in got.items()}
+
+
+@pytest.mark.parametrize("bad", ["nan-held", "inf-arriving", "nan-arriving"])
+def test_non_finite_features_evict_the_same_frames_in_triton_torch_and_c(bad, monkeypatch):
+    """A non-finite feature makes the row's centre, and so every distance, non-finite: every score is NaN, which
+    every backend reads as 0, so the interior frames go oldest first (the first and newest frames stay)."""
+    H, B, W, F, D = 2, 2, 5, 4, 8
+    g = torch.Generator().manual_seed(17)
+    frames = torch.stack([torch.randperm(W, generator=g) for _ in range(H * B)]).view(H, B, W) * 2  # full, shuffled
+    features = torch.randn(H, B, W, D, generator=g)
+    arriving = torch.randn(H, B, F, D, generator=g)
+    target = features if bad == "nan-held" else arriving
+    target[:, :, 1, 3] = float("inf") if bad == "inf-arriving" else float("nan")
+    got = _every_backend(features, frames, arriving, 2 * W, W, monkeypatch)
+    oldest_and_newest = torch.tensor([0] + list(range(2 * W + F - (W - 1), 2 * W + F))).expand(H, B, W)
+    for name, kept in got.items():
+        assert torch.equal(kept, oldest_and_newest), f"{name}: {kept.tolist()}"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy on NaN
+def test_non_finite_distances_decide_alike_in_triton_torch_and_c(monkeypatch):
+    """NaN, +inf and float-range-overflowing entries scattered over otherwise finite distances (every way a score
+    can become NaN: a NaN input, inf - inf, 0 · inf, a NaN cosine or norm): Triton, the torch ops and the C loop
+    keep the same frames."""
+    trajectory = stce_module._trajectory
+    g = torch.Generator().manual_seed(23)
+    trial = 0
+
+    def poisoned(*args):  # the same poison for every backend of one trial
+        times, d2 = trajectory(*args)
+        p = torch.Generator().manual_seed(trial)
+        pick = torch.rand(d2.shape, generator=p) < 0.15
+        value = torch.tensor([float("nan"), float("inf"), 3e38])[torch.randint(0, 3, d2.shape, generator=p)]
+        upper = torch.where(pick.cpu(), value, d2.cpu()).triu(1)
+        return times, (upper + upper.transpose(-1, -2)).to(d2.device)  # symmetric, zero diagonal
+
+    monkeypatch.setattr(stce_module, "_trajectory", poisoned)
+    for trial in range(6):
+        H, B, W, F = 2, 2, 4 + trial, 3 + trial % 3
+        frames = torch.stack([torch.randperm(W, generator=g) for _ in range(H * B)]).view(H, B, W)
+        features, arriving = torch.randn(H, B, W, 8, generator=g), torch.randn(H, B, F, 8, generator=g)
+        got = _every_backend(features, frames, arriving, W, W, monkeypatch)
+        assert got["triton"].equal(got[TORCH_OPS]) and got["torch"].equal(got[TORCH_OPS]), f"trial {trial}: {got}"

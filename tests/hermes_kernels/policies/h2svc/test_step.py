@@ -38,7 +38,7 @@ POSITION_POISON = -(2 ** 40)
 # rows of 16 and 48 bytes, not whole 32-byte vectors (the C walk must not stream-store them)
 ROPES = {"1d": (16, None), "mrope": (16, (2, 3, 3)), "mrope128": (128, (16, 24, 24)), "1d-d8": (8, None),
          "mrope-d12": (12, (2, 2, 2)), "il": (16, INTERLEAVED[16]), "il128": (128, INTERLEAVED[128]),
-         "il-d12": (12, INTERLEAVED[12]), "il-d8": (8, INTERLEAVED[8])}
+         "il-d12": (12, INTERLEAVED[12]), "il-d8": (8, INTERLEAVED[8]), "1d128": (128, None)}
 # 2 layers x 3 KV heads: 1 instant, 2 short, 3 episodic rows (default depth map); windows 2 / 3 / 4 frames
 CONFIG = dict(num_layers=2, num_kv_heads=3, prefix_len=3, tokens_per_frame=4, instant_frames=2, short_frames=3,
               episodic_frames=4)

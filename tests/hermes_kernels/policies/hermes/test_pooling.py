@@ -162,7 +162,7 @@ def test_triton_is_deterministic() -> None:
     assert torch.equal(first, second)
 
 
-def test_launch_count_is_constant_in_layers_and_streams() -> None:
+def test_triton_launch_count_is_constant_in_layers_and_streams() -> None:
     """One pass-1 and one pass-2 launch for the whole stacked input, whatever L and B are."""
     counts = {}
     for L, B in ((2, 1), (28, 1), (28, 3)):

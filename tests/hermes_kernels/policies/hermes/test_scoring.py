@@ -110,7 +110,7 @@ def test_cascade_switch_changes_scores(backend: str):
     assert (results[True] - results[False]).abs().max() > 1e-3
 
 
-def test_one_launch_whatever_layers_and_streams():
+def test_one_triton_launch_whatever_layers_and_streams():
     counts = {}
     for L, B in [(2, 1), (28, 1), (2, 3), (28, 3)]:
         attn = make_attn(Case("llava_ov", L, B, 9), seed=L + B)

@@ -151,7 +151,7 @@ def test_destination_map_helper():
     assert torch.equal(destination_map(keep, 26).cpu(), expected_destination(keep, 26))
 
 
-def test_one_launch_whatever_layers_and_streams():
+def test_one_triton_launch_whatever_layers_and_streams():
     counts = {}
     for L, B in [(2, 1), (28, 1), (2, 3)]:
         g = torch.Generator().manual_seed(L + B)
