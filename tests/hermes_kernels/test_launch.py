@@ -135,10 +135,13 @@ def test_an_h2svc_block_launches_on_its_own_device_wherever_inv_freq_is():
     (a model whose rotary module sits on the first GPU): every launch carries the block's device only."""
     import hermes_kernels as hk
     from hermes_kernels.policies.h2svc.config import EPISODIC
+    from hermes_kernels.geometry import ModelGeometry
     from hermes_kernels.policies.h2svc.gpu_case import H2SVCCase
 
     cfg = hk.H2SVCConfig.llava_ov(num_layers=2, num_kv_heads=2, prefix_len=3)
-    case = H2SVCCase(label="two devices", head_dim=16, rotary=None, dtype=torch.float16, cfg=cfg, chunk_frames=2,
+    geometry = ModelGeometry(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16, max_positions=4096,
+                             rope_theta=1e4)
+    case = H2SVCCase(label="two devices", geometry=geometry, dtype=torch.float16, cfg=cfg, chunk_frames=2,
                      reindexing=True)
     block = case.block(EPISODIC)
     with recording() as launches:

@@ -39,8 +39,9 @@ def hermes_geometry(size: str, layout: str, batch: int):
     if size == "small":
         return 4, batch, 2, 16, 3, 29, 11, SMALL_ROTARY[layout], "qwen2_5_vl" if layout == "sections" else "llava_ov"
     shape = SHAPES[MODEL[layout]]
-    return (shape.num_layers, batch, shape.num_kv_heads, shape.head_dim, PREFIX,
-            BUDGET + CHUNK_FRAMES * TOKENS_PER_FRAME, BUDGET, shape.rotary, shape.preset_name)
+    g = shape.geometry
+    return (g.num_layers, batch, g.num_kv_heads, g.head_dim, PREFIX,
+            BUDGET + CHUNK_FRAMES * TOKENS_PER_FRAME, BUDGET, g.rotary, shape.preset_name)
 
 
 @pytest.mark.parametrize("size", SIZES)
