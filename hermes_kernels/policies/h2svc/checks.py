@@ -1,16 +1,9 @@
-"""Input checks of the H2SVC ops, shared by `hermes_kernels.policies.h2svc.reference` and `hermes_kernels`
-(docs/h2svc.md §7).
-
-Every check runs before anything is written, so a failed call leaves every tensor byte-identical. Errors are
-ValueError (bad shape, value or size) or TypeError (bad type or dtype) and start with the argument's name.
-The generic helpers come from `hermes_kernels.checks` (one copy for both policies).
-
-Two kinds of checks (ours): *structure* (types, shapes, dtypes, devices, host ints) always runs and never reads
-a tensor's contents; *contents* (frame indices distinct and older than the arrivals, features finite, ...)
-reads tensor values, which on a GPU is a host synchronisation. `contents=None` (the default) runs them only
-for CPU tensors, so a step on CUDA stays free of host syncs (docs/h2svc.md §7.3), unless HERMES_KERNELS_DEBUG=1
-(`hermes_kernels.checks.read_contents`); pass True to force them anywhere (the reference does) or False to skip
-them. The memory of the tensors a step writes in place is checked by strides alone (docs/gpu.md#contracts).
+"""Input checks of the H2SVC ops, shared by `hermes_kernels.policies.h2svc.reference` and the ops of
+`hermes_kernels`, over the generic helpers of `hermes_kernels.checks`. Each runs before anything is written and
+raises ValueError or TypeError starting with the argument's name. Two kinds (ours): structure (types, shapes, dtypes,
+devices, host ints, the memory a step writes, by strides alone) is always checked; contents (frame indices,
+finiteness) are read only where `hermes_kernels.checks.read_contents` allows, so a step on CUDA makes no host sync.
+docs/h2svc.md §7.3, docs/api.md#input-checks.
 """
 from __future__ import annotations
 

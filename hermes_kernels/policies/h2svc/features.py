@@ -1,14 +1,8 @@
-"""H2SVC stage (a): frame features, the mean value vector of every frame (docs/h2svc.md §3).
-
-    V_f = (1 / T_f) · Σ_{k < T_f} v[f·T_f + k]        per (row, stream, frame), over the frame's T_f tokens
-
-Values, not keys: values carry no rotary phase, so features of frames at different positions compare directly.
-Accumulated in float32 whatever the cache dtype (float64 for a float64 cache, as
-`hermes_kernels.policies.h2svc.reference`), and divided once by T_f at the end.
-
-Two implementations of one contract, side by side:
-  frame_features_triton — one launch, one program per (row, stream, frame, channel block);
-  frame_features_torch  — one reduction over a [H, B, F, T_f, D] view of the values (no copy of a strided view).
+"""H2SVC stage (a): the mean value vector of every arriving frame, the feature STCE compares frames by (values, not
+keys: they carry no rotary phase, so frames at different positions compare directly). Sums run in float32 whatever
+the cache dtype (float64 for a float64 cache, as the reference) and are divided once by T_f, in one Triton launch
+(`frame_features_triton`) or one torch reduction (`frame_features_torch`). docs/h2svc.md §3,
+docs/api.md#h2svc-ops.
 """
 from __future__ import annotations
 
@@ -25,8 +19,10 @@ __all__ = ["frame_features_torch", "frame_features_triton"]
 
 
 def frame_features_torch(values: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
-    """Mean value vector per frame: values [H, B, F·T_f, D] fp16/bf16/fp32/fp64 (any strides) -> [H, B, F, D]
-    float32 (float64 for float64 values). Inputs already validated."""
+    """Mean value vector per frame, V_f = (1 / T_f) · Σ_{k < T_f} v[f·T_f + k]: values [H, B, F·T_f, D]
+    fp16/bf16/fp32/fp64 (any strides) -> [H, B, F, D] float32 (float64 for float64 values). One reduction over an
+    [H, B, F, T_f, D] view, which splitting a dimension makes without a copy whatever the strides. Inputs already
+    validated."""
     frames = values.unflatten(-2, (values.shape[-2] // tokens_per_frame, tokens_per_frame))
     return frames.sum(dim=-2, dtype=work_dtype(values)).div_(tokens_per_frame)
 

@@ -1,32 +1,9 @@
-"""H2SVC stage (b): semantic trajectory curvature eviction (STCE) of one chunk of arrivals (docs/h2svc.md §3).
-
-Per row (a (layer, KV head) of the episodic class, and a stream), over the retained frames in temporal order,
-with features V (mean value vectors) and stream frame indices t, an interior frame j with retained neighbours p, n
-scores
-    I(j) = (1 - cos(v_in, v_out)) · min(|v_in|, |v_out|) · log(t_n - t_p),   v_in = V_j - V_p,  v_out = V_n - V_j;
-the oldest and the newest frame score +inf (never evicted). The F arriving frames are appended one at a time; after
-each append, if more than `capacity` frames are retained, the lowest score is evicted (ties: the older frame) and
-only its two neighbours are rescored. A chunk is exactly F such arrivals in order.
-
-Everything the scores need is in the pairwise squared distances d2(a, b) = |V_a - V_b|^2 of the retained and
-arriving frames: |v_in|^2 = d2(j, p), |v_out|^2 = d2(j, n) and, by polarisation,
-v_in · v_out = (d2(p, n) - d2(j, p) - d2(j, n)) / 2. Both backends share the set-up (`_trajectory`, torch ops, no
-host sync): sort each row's held frames into temporal order by frame index, append the arrivals, and take d2 from
-one batched Gram matrix, d2(a, b) = G_aa + G_bb - 2 G_ab, in float32. Then the sequential part:
-  stce_select_triton — ONE launch, one program per row, whose lanes are the row's W + F frames (held lanes in
-      temporal order, then the arrivals): scores, liveness and the doubly linked neighbour list live in registers
-      as vectors of next_pow2(W + F) lanes, scalars are read out of them by masked reductions, and the F arrivals
-      run as a loop inside the program; three d2 entries are loaded per rescored frame.
-  stce_select_torch  — the same state as [rows, W + F] tensors and a Python loop over the F arrivals only; every
-      op covers all rows (layers, heads, streams) at once. On CPU the loop runs in C instead (stce_cpu.c: the
-      same state machine per row, bit-identical decisions), unless HERMES_KERNELS_NATIVE=0.
-Decisions the contract leaves open (ours): features are centred per row (minus the mean of the row's valid
-frames) before the Gram matrix, which leaves every distance unchanged but shrinks the entries the subtraction
-cancels; a cosine is clamped to [-1, 1] against rounding (so I >= 0), and is 0 when |v_in|·|v_out| = 0 (then I = 0,
-as the contract states). Lane order is temporal order, so "ties evict the older frame" is "the lowest lane wins".
-A score that is not a number (non-finite features, which on CUDA reach the step unchecked to spare a host sync)
-is 0 in every backend, NaN propagating through every min, max and clamp before that, so the Triton kernel (whose
-GPU min/max would drop a NaN operand), the torch ops and the C loop evict the same frames (docs/gpu.md#contracts).
+"""H2SVC stage (b): the frames each episodic (layer, KV head) keeps after a chunk of arrivals, by semantic trajectory
+curvature eviction (STCE). Both backends share one set-up in torch ops with no host sync (`_trajectory`: every row's
+frames in temporal order and their squared distances, from one Gram matrix); they differ in the sequential arrival
+loop: one Triton program per row (`stce_select_triton`), or torch ops over all rows, run in C on CPU
+(`stce_select_torch`). All evict the same frames, for non-finite features too. The rule: docs/h2svc.md §3; the
+choices it leaves open (ours): docs/decisions.md#h2svc-kernels, docs/gpu.md#contracts.
 """
 from __future__ import annotations
 
@@ -43,7 +20,7 @@ _BIG = 2 ** 62  # sorts empty slots (frame -1) after every real frame index
 _INF = float("inf")
 _MAX_LANES = 4096  # stce_cpu.c's per-row state limit (W + F lanes)
 # the C path's log table has one entry per frame index up to the newest (held endpoints are never evicted, so the
-# widest gap grows with the stream): built per call up to 2^20 frames (4 MiB, about 1 ms; 12 days at 1 fps)
+# widest gap grows with the stream): built per call up to 2^20 frames (4 MiB of float32; 12 days at 1 fps)
 _MAX_LOG_TABLE = 1 << 20
 
 
@@ -80,12 +57,17 @@ def _trajectory(features: torch.Tensor, slot_frames: torch.Tensor, arriving: tor
 # ----------------------------------------------------------------------------------------------------------------
 
 def _curvature_torch(d_in: torch.Tensor, d_out: torch.Tensor, d_pn: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
-    """I(j) from d2(j, p), d2(j, n), d2(p, n) and t_n - t_p (elementwise, in d2's dtype; the Triton `_score`)."""
+    """I(j) from d2(j, p), d2(j, n), d2(p, n) and t_n - t_p (elementwise, in d2's dtype; the Triton `_score`).
+
+    |v_in| = sqrt(d2(j, p)), |v_out| = sqrt(d2(j, n)) and, by polarisation, v_in · v_out = (d2(p, n) - d2(j, p) -
+    d2(j, n)) / 2. The cosine is clamped to [-1, 1] against rounding (so I >= 0) and is 0 when |v_in|·|v_out| = 0;
+    a score that is not a number is 0, NaN propagating through every min and clamp before that (docs/gpu.md#contracts).
+    """
     norm_in, norm_out = d_in.sqrt(), d_out.sqrt()
     norms = norm_in * norm_out
     cos = torch.where(norms > 0, 0.5 * (d_pn - d_in - d_out) / norms, 0.0).clamp_(-1.0, 1.0)
     score = (1.0 - cos) * torch.minimum(norm_in, norm_out) * gap.to(d_in.dtype).log()
-    return score.masked_fill_(score.isnan(), 0.0)  # NaN scores 0 (see the module docstring)
+    return score.masked_fill_(score.isnan(), 0.0)
 
 
 def stce_select_torch(features: torch.Tensor, slot_frames: torch.Tensor, arriving: torch.Tensor, first_frame: int,
@@ -223,8 +205,11 @@ def _output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 # Grid (H·B,): one program per row. It reads the row's W + F frame indices once and, per rescored frame, three
-# entries of the row's d2 matrix (L2-resident after the Gram matmul); it writes the `capacity` kept indices. F (the
-# chunk's frames) is a runtime value, not specialised: a ragged last chunk needs no new compile.
+# entries of the row's d2 matrix (L2-resident after the Gram matmul); it writes the `capacity` kept indices. The
+# row's state (scores, liveness, the doubly linked neighbour list) lives in registers as vectors of BLOCK =
+# next_pow2(W + F) lanes, held frames in temporal order then the arrivals; scalars are read out of them by masked
+# reductions (`_pick`), and the F arrivals are a loop inside the program. F (the chunk's frames) is a runtime value,
+# not specialised: a ragged last chunk needs no new compile.
 # Compile spec (GPU guard): the H2SVC step's, `gpu_specs.step`, which launches it as a step does.
 @triton.jit(do_not_specialize=["F"])
 def _stce_kernel(d2_ptr, times_ptr, out_ptr, W, F, capacity,
