@@ -1,14 +1,8 @@
-"""Pooled guidance attention (docs/hermes.md §2.3, docs/hermes.md §5 item 7): Triton two-pass kernel and its torch twin.
-
-For every key j the output is  a_j = 1/(H·Q) · Σ_h Σ_i softmax_j(scale · q_{h,i} · k_{h//G, j})  over the keys query i
-sees (causal, bottom-right aligned: j <= N - Q + i; G = H / Hkv query heads share one KV head). Neither backend builds
-the [H, Q, N] probability tensor:
-  triton — pass 1 computes every (layer, stream, head, query) row's log-sum-exp over key tiles (flash style); pass 2 is
-           key-stationary: a program owns one key tile of one (layer, stream), loads it once per KV head, loops over all
-           query rows of that head's GQA group and sums exp(s - lse) per key. Every key is written by exactly one
-           program, in a fixed order: deterministic, no atomics. Two launches for any L and B.
-  torch  — the same sum over chunks of whole GQA groups (or of one group's query rows), so the logits held at any
-           time are bounded by `_TORCH_CHUNK_ELEMS` whatever the input size.
+"""HERMES guidance pooling: every key's causal softmax probability, averaged over a guidance prompt's heads and query
+tokens, without building the [H, Q, N] probabilities. Triton makes two launches for any L and B: each query row's
+log-sum-exp, then a key-stationary sum in which one program writes each key (deterministic, no atomics); the torch
+twin sums over chunks of GQA groups whose logits are bounded by `_TORCH_CHUNK_ELEMS`. docs/hermes.md §2.3,
+docs/hermes.md §5 item 7, docs/decisions.md#hermes-scoring.
 """
 from __future__ import annotations
 
@@ -23,7 +17,7 @@ from ...launch import launch
 
 _LOG2E = 1.4426950408889634
 # the torch twin holds at most this many logits (and as many softmax outputs, and upcast keys) per chunk: 16 MiB in
-# fp32, so a chunk's logits and probabilities stay in a server CPU's last-level cache (faster than larger chunks)
+# fp32, so a chunk's logits and probabilities can stay in a server CPU's last-level cache
 _TORCH_CHUNK_ELEMS = 1 << 22
 
 
@@ -101,9 +95,9 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr,
     tl.store(lse_ptr + group * G * Q + rows, run_max + tl.log2(run_sum), mask=row_ok)
 
 
-# Pass 2, grid (L·B, cdiv(N, BLOCK_N)): key-stationary. A program owns one key tile of one (layer, stream) and sweeps
-# all G·Q query rows of each KV head's group past it (its keys and the small q and lse stay in cache); it alone
-# writes its keys.
+# Pass 2, grid (L·B, cdiv(N, BLOCK_N)): key-stationary. A program owns one key tile of one (layer, stream), loads it
+# once per KV head and sweeps all G·Q query rows of that head's group past it, summing exp(s - lse) per key (its keys
+# and the small q and lse stay in cache); it alone writes its keys, in a fixed order: deterministic, no atomics.
 @triton.jit
 def _pooled_kernel(q_ptr, k_ptr, lse_ptr, out_ptr,
                    B, Hkv, G, Q, N, D, qk_scale, inv_count,
@@ -180,7 +174,9 @@ def pooled_attention_triton(q: torch.Tensor, k: torch.Tensor, scale: float | Non
 def pooled_attention_torch(q: torch.Tensor, k: torch.Tensor, scale: float | None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Pooled causal attention per key (§2.3): batched matmul + softmax over chunks of (layer, stream, KV head)
-    groups, each group holding all heads that share the KV head; no host sync.
+    groups, each group holding all heads that share the KV head; no host sync. Per key j,
+    a_j = 1/(H·Q) · Σ_h Σ_i softmax_j(scale · q_{h,i} · k_{h//G, j}), the softmax over the keys query i sees
+    (bottom-right causal: j <= N - Q + i; G = H / Hkv query heads per KV head), as the Triton passes compute it.
 
     q: [B, H, Q, D] or [L, B, H, Q, D]; k: [B, Hkv, N, D] or [L, B, Hkv, N, D]; fp16/bf16/fp32 (computed in fp32) or
     fp64 (computed in fp64). Returns float32 [B, N] ([L, B, N]), written into `out` when given. At most

@@ -1,17 +1,9 @@
-"""Stage 2: HERMES importance scores S~ from pooled attention (docs/hermes.md §2.3–2.4).
-
-Per (layer l, stream b), over the V visual tokens j:
-    A_j  = (a_j - min a) / (max a - min a + eps)                      min-max of pooled attention (§5 item 6)
-    r_j  = exp(-k_l · (V-1-j) / max(V-1, 1)),  R likewise min-max    recency, eq. 1 in the released code's form
-    S    = (1 - ω_l)·A + ω_l·R                                        eq. 4
-    S~[L-1] = S[L-1];  S~[l] = (1-λ_l)·S[l] + λ_l·X[l+1]               eq. 5, X = S~ (cascade) or S (cascade=False)
-
-The recency row is monotone non-decreasing in j (k_l >= 0), so its min is its first entry (evaluated with the
-row's own expression) and its max is its last, exp(-0) = 1: neither backend reduces over it.
-
-Triton: one launch for all layers and streams; torch: vectorised over layers and streams, the smoothing written
-in closed form S~ = C·S with a per-config [L, L] matrix C, so the layer recursion becomes one matmul, and the
-recency half of it (a function of the config and V only) memoised.
+"""HERMES stage 2: the smoothed importance scores S~ [L, B, V] of the visual tokens from their pooled guidance
+attention: attention and recency, each min-max normalised per (layer, stream), blended per layer, then smoothed from
+the deepest layer up. One Triton launch for all layers and streams (`hermes_scores_triton`), or torch ops vectorised
+over layers and streams that write the smoothing as one [L, L] matmul (`hermes_scores_torch`). Neither reduces over
+the recency row: it is monotone in j, so its min is its first entry and its max exp(-0) = 1. The math: docs/hermes.md
+§2.3–2.4 (normalisation: docs/hermes.md §5 item 6; recency in the released code's form: docs/hermes.md §5 item 3).
 """
 from __future__ import annotations
 
@@ -93,7 +85,7 @@ def hermes_scores_torch(attn: torch.Tensor, cfg: HermesConfig, out: torch.Tensor
     L, B, V = attn.shape
     dtype, device = attn.dtype, attn.device
     omega, _, _, eps = _layer_params(cfg, device, dtype)
-    # two reductions: aminmax(dim=...) is several times slower on CPU
+    # two reductions: aminmax(dim=...) is slower on CPU
     a_min, a_max = attn.amin(dim=-1, keepdim=True), attn.amax(dim=-1, keepdim=True)
     # (1-ω)·A = (a - min a) · (1-ω)/(max a - min a + eps); subtracting first keeps near-constant rows exact
     weighted = (attn - a_min).mul_((1 - omega)[:, None, None] / (a_max - a_min + eps[0]))

@@ -1,14 +1,9 @@
-"""Stage 3: which visual tokens each (layer, stream) keeps (docs/hermes.md §2.5, eq. 6).
-
-Contract (same as `reference.select_keep`): keep the n_l = min(b_l, V) largest scores of every row, ties
-going to the LOWER index, and emit the kept indices in ascending (cache) order, padded with -1 to n = min(b, V)
-(deep layers keep b-1 when summary is on). Both backends work from a threshold instead of a sort:
-    t     = the n_l-th largest score of the row,
-    kept  = {j : s_j > t}  ∪  {the first n_l - #{s_j > t} indices with s_j == t},
-    slot  = number of kept indices before j (a prefix sum), so keep[slot] = j is already ascending.
-The same prefix sum gives the destination map dest[j] = slot (or -1) that compaction can consume.
-Scores must not be NaN (they come from `hermes_scores` of validated, finite attention); ±inf are fine and
--0.0 ties with +0.0, as in the reference's sort.
+"""HERMES stage 3: the visual tokens each (layer, stream) keeps, its n_l = min(b_l, V) best scores in ascending cache
+order (ties to the lower index), -1 padded to n = min(b, V): the contract of
+`hermes_kernels.policies.hermes.reference.select_keep`. Both backends find the n_l-th largest score as a threshold
+instead of sorting (`topk` in `select_keep_torch`, a radix select over integer keys in `select_keep_triton`); a
+prefix sum over the kept tokens gives each its slot, so the output is ascending as written, and the same sum is the
+destination map compaction can read (`destination_map`). docs/hermes.md §2.5, docs/decisions.md#hermes-scoring.
 """
 from __future__ import annotations
 
@@ -59,10 +54,12 @@ def select_keep_torch(scores: torch.Tensor, cfg: HermesConfig, out: torch.Tensor
                       with_destination: bool = False, dest_out: torch.Tensor | None = None):
     """Kept visual indices int64 [L, B, n] (eq. 6), vectorised over layers and streams; no host sync.
 
-    scores: float32/float64 [L, B, V], already validated. The threshold t is the n_l-th largest value, found
-    with `topk` over whichever side of the row is smaller: the n largest values, or the V - min_l(n_l) + 1
-    smallest (whichever tied indices topk picked, the multiset of values is the same); a second tiny topk over
-    that pool gives the value at each layer's rank. Ties at t are then resolved by index order.
+    scores: float32/float64 [L, B, V], already validated, not NaN (±inf are fine; -0.0 ties with +0.0, as in the
+    reference's sort). The threshold t is the n_l-th largest value, found with `topk` over whichever side of the
+    row is smaller: the n largest values, or the V - min_l(n_l) + 1 smallest (whichever tied indices topk picked,
+    the multiset of values is the same); a second tiny topk over that pool gives the value at each layer's rank.
+    Kept: {j : s_j > t} and the first n_l - #{s_j > t} indices with s_j == t; keep[slot] = j, slot = the number
+    of kept indices before j.
     out / dest_out: optional contiguous buffers to write into. Returns keep, or (keep, dest int32 [L, B, V]) when
     `with_destination` (dest[l, b, j] = slot of j among the kept, -1 if pruned).
     """
@@ -175,7 +172,7 @@ def select_keep_triton(scores: torch.Tensor, cfg: HermesConfig, out: torch.Tenso
                        with_destination: bool = False, dest_out: torch.Tensor | None = None):
     """Kept visual indices int64 [L, B, n] (eq. 6) in ONE Triton launch, no sort (radix-style threshold select).
 
-    scores: float32/float64 [L, B, V], any strides, already validated. Same outputs as `select_keep_torch`;
+    scores: float32/float64 [L, B, V], any strides, already validated, not NaN. Same outputs as `select_keep_torch`;
     out / dest_out (contiguous) are written in full. The destination map costs one extra store per token.
     """
     n, out, dest_out = _outputs(scores, cfg, out, dest_out)
