@@ -59,7 +59,7 @@ SELECTIONS: list[tuple[str, list[str], str]] = [
     ("hermes_kernels/rope.py", KERNEL_POLICIES, NOT_TRITON),
     ("hermes_kernels/rows_*.py", KERNEL_POLICIES, NOT_TRITON),
     ("hermes_kernels/policies/*", KERNEL_POLICIES, NOT_TRITON),
-    ("hermes/video.py", ["tests/hermes/test_video.py"], NO_THREADS),
+    ("hermes/video.py", ["tests/hermes/test_video.py", "tests/hermes/test_video_edges.py"], NO_THREADS),
     ("hermes/commands.py", ["tests/hermes/test_commands.py", "tests/hermes/test_cli.py",
                             "tests/hermes/test_checkpoints.py"], NO_THREADS),
     ("hermes/cli.py", ["tests/hermes/test_cli.py", "tests/hermes/test_commands.py"], NO_THREADS),
@@ -236,7 +236,7 @@ def run(mutate: list[str], work_root: Path, workers: int, timeout: float | None)
         found = verdicts(work, module)
         if not found:
             print(f"   {module}: no verdicts; see {work / 'mutmut.log'}", flush=True)
-        rows.append(row(module, found, seconds if len(mutate) == 1 else None, judged))
+        rows.append(row(module, found, seconds, judged))  # a group's rows share its run's time
         rows[-1].update(tests=tests, keyword=keyword, group=mutate, date=datetime.date.today().isoformat())
         print(f"   {module}: {table_line(rows[-1])}", flush=True)
     return rows
@@ -245,6 +245,8 @@ def run(mutate: list[str], work_root: Path, workers: int, timeout: float | None)
 def table_line(r: dict) -> str:
     score = "" if r["score"] is None else f"{r['score']:.1f} %"
     seconds = "" if r["seconds"] is None else f"{r['seconds'] / 60:.0f} min"
+    if len(r.get("group", [])) > 1:
+        seconds += f" (a run of {len(r['group'])})"
     return (f"| `{r['module']}` | {r['mutants']} | {r['killed']} | {r['timeout']} | {r['crashed']} | "
             f"{r['survived'] + r['suspicious']} | {r['equivalent']} | {r['no tests']} | {score} | {seconds} |")
 
