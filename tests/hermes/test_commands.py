@@ -1,6 +1,6 @@
-"""The commands' error contract at its edges (docs/cli.md#stream-a-video-file): an out-of-memory error is one line and exit 1, not
-an internal error; Ctrl-C is exit 130; a question timed exactly at the video's length is asked; a setting refused
-before anything loads (exit 2)."""
+"""The commands' error contract at its edges (docs/cli.md#stream-a-video-file): an out-of-memory error is one line
+and exit 1, not an internal error; Ctrl-C is exit 130; a question timed exactly at the video's length is asked; a
+setting refused before anything loads (exit 2)."""
 import pytest
 import torch
 
