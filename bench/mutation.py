@@ -146,7 +146,14 @@ def prepare(work: Path, mutate: list[str], tests: list[str], keyword: str) -> No
     """Copy the checkout into `work` (changed files only, modification times kept: mutmut compares them) and
     write its pyproject.toml with the `[tool.mutmut]` table of this run."""
     work.mkdir(parents=True, exist_ok=True)
-    for name in checkout_files():
+    files = checkout_files()
+    for root in (work, work / "mutants"):  # a file the checkout no longer has must not be collected or imported
+        for top in ("tests", *ALSO_COPY, *PACKAGES):
+            for path in (root / top).rglob("*.py") if (root / top).is_dir() else ():
+                name = str(path.relative_to(root))
+                if name not in files and "__pycache__" not in path.parts:
+                    path.unlink()
+    for name in files:
         source, target = REPO / name, work / name
         if target.exists() and target.stat().st_mtime == source.stat().st_mtime and \
                 target.stat().st_size == source.stat().st_size:
@@ -235,7 +242,9 @@ def run(mutate: list[str], work_root: Path, workers: int, timeout: float | None)
     for module in mutate:
         found = verdicts(work, module)
         if not found:
-            print(f"   {module}: no verdicts; see {work / 'mutmut.log'}", flush=True)
+            tail = (work / "mutmut.log").read_text(errors="replace")[-1500:]
+            print(f"   {module}: no verdicts (a failing clean run?); the end of {work / 'mutmut.log'}:\n{tail}",
+                  flush=True)
         rows.append(row(module, found, seconds, judged))  # a group's rows share its run's time
         rows[-1].update(tests=tests, keyword=keyword, group=mutate, date=datetime.date.today().isoformat())
         print(f"   {module}: {table_line(rows[-1])}", flush=True)
