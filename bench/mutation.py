@@ -4,6 +4,7 @@
 python -m bench.mutation hermes/video.py hermes_kernels/compat       # each argument: one run
 python -m bench.mutation hermes_kernels/dtypes.py,hermes_kernels/results.py   # one run over a group
 python -m bench.mutation --changed main     # the modules a change touches (git diff main), one run each
+python -m bench.mutation --survivors hermes/video.py   # its survivors tested again, after tests were added
 python -m bench.mutation --list             # every module: its test selection, or why it is left out
 python -m bench.mutation --table            # the results table (docs/testing.md) from the results file
 
@@ -217,8 +218,9 @@ def row(module: str, found: dict[str, str], seconds: float | None, judged: dict[
             "survivors": [n for n in survivors if n not in judged]}
 
 
-def run(mutate: list[str], work_root: Path, workers: int, timeout: float | None) -> list[dict]:
-    """One mutmut run over `mutate` (a module or a group sharing one selection); a row per module."""
+def run(mutate: list[str], work_root: Path, workers: int, timeout: float | None, survivors: bool = False) -> list[dict]:
+    """One mutmut run over `mutate` (a module or a group sharing one selection); a row per module. With
+    `survivors`, the mutants that survived in this work folder before are tested again (after tests were added)."""
     tests, keywords = [], []
     for module in mutate:
         own, keyword = selection(module)
@@ -229,6 +231,11 @@ def run(mutate: list[str], work_root: Path, workers: int, timeout: float | None)
     prepare(work, mutate, tests, keyword)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     command = ["nice", "-n", "19", sys.executable, "-m", "mutmut", "run", "--max-children", str(workers)]
+    if survivors:
+        again = [n for m in mutate for n, v in verdicts(work, m).items() if v in ("survived", "suspicious")]
+        if not again:
+            print(f"   {', '.join(mutate)}: no survivors to test again", flush=True)
+        command += again
     print(f"== {', '.join(mutate)}: {' '.join(tests)} -k '{keyword}' (work folder {work})", flush=True)
     start = time.perf_counter()
     with open(work / "mutmut.log", "w") as log:
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="print the results table of --results")
     p.add_argument("--workers", type=int, default=2, help="mutants tested at once (mutmut --max-children; default 2)")
     p.add_argument("--timeout", type=float, default=None, help="stop a run after this many seconds")
+    p.add_argument("--survivors", action="store_true", help="test the survivors of an earlier run again (mutmut "
+                   "run NAME ...), e.g. after adding tests; the time recorded is then this run's")
     p.add_argument("--work", type=Path, default=WORK, help=f"work folders' parent (default {WORK})")
     p.add_argument("--results", type=Path, default=None, help="JSON file of the rows, updated per module "
                    "(default: <work>/results.json)")
@@ -302,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         p.error("name modules, --changed REV, --list or --table")
     for group in runs:
-        for r in run(group, args.work, args.workers, args.timeout):
+        for r in run(group, args.work, args.workers, args.timeout, args.survivors):
+            if args.survivors and r["module"] in results:  # the table keeps the full run's time
+                r["seconds_survivors"], r["seconds"] = r["seconds"], results[r["module"]]["seconds"]
             results[r["module"]] = r
             results_path.parent.mkdir(parents=True, exist_ok=True)
             results_path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
