@@ -45,8 +45,8 @@ NO_THREADS = "not triton and not thread"  # a forked worker must not start threa
 KERNEL_POLICIES = ["tests/hermes_kernels/policies", "tests/hermes_kernels/test_rope.py"]
 SELECTIONS: list[tuple[str, list[str], str]] = [
     ("hermes_kernels/compat/*.py", ["tests/hermes_kernels/compat"], NOT_TRITON),
-    ("hermes_kernels/native.py", ["tests/hermes_kernels/test_native.py", "tests/hermes_kernels/test_bindings.py"],
-     NO_THREADS),
+    ("hermes_kernels/native.py", ["tests/hermes_kernels/test_native.py", "tests/hermes_kernels/test_native_edges.py",
+                                  "tests/hermes_kernels/test_bindings.py"], NO_THREADS),
     ("hermes_kernels/bindings.py", ["tests/hermes_kernels/test_bindings.py", "tests/hermes_kernels/test_native.py",
                                     *KERNEL_POLICIES], NO_THREADS),
     ("hermes_kernels/dispatch.py", ["tests/hermes_kernels/policies/hermes"], NOT_TRITON),
