@@ -73,7 +73,7 @@ def test_an_unwritable_folder_and_a_compiler_without_march_native(cache, tmp_pat
     mkstemp = native.tempfile.mkstemp
 
     def refuse(*args, dir=None, **kwargs):
-        if dir is not None and os.path.samefile(dir, cache):
+        if dir is not None and os.path.abspath(dir) == os.path.abspath(cache):
             raise PermissionError(13, "Permission denied", str(dir))
         return mkstemp(*args, dir=dir, **kwargs)
 
