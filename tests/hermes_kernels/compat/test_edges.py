@@ -290,3 +290,46 @@ def test_broadcast_views_are_refused_with_the_state_unchanged(broadcast, call):
         else:
             model._shrink_positions_and_rerotate_keys(keep)
     assert _unchanged(model, snapshot)
+
+
+# -- the selection contract's arguments ----------------------------------------------------------------------------
+
+def _lists(visual=30, q_lens=(7, 9, 16)):
+    gen = torch.Generator().manual_seed(5)
+    return [[torch.randn(1, 4, q, PREFIX + visual + q, generator=gen).softmax(-1) for _ in range(LAYERS)]
+            for q in q_lens]
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: dict(num_keep=1), r"num_keep=1, expected an int >= 2"),
+    (lambda a: dict(num_keep=2.0), r"num_keep=2.0, expected an int >= 2"),
+    (lambda a: dict(attn_weights_mixed=a[2][:-1]), r"attn_weights_mixed: expected 10 per-layer attention tensors"),
+    (lambda a: dict(attn_weights_global=torch.stack(a[1])), r"attn_weights_global: expected 10 per-layer .* Tensor"),
+    (lambda a: dict(attn_weights_mixed=a[2][:3] + [a[2][3][0]] + a[2][4:]), r"layer 3: attention \(4, 16, 51\)"),
+    (lambda a: dict(attn_weights_global=a[1][:8] + [a[1][8][:0]] + a[1][9:]), r"layer 8: attention \(0, 4, 9, 44\)"),
+    (lambda a: dict(attn_weights_global=a[1][:9] + [a[1][9][..., :14]]),
+     r"layer 9: attention \(1, 4, 9, 14\), expected \[1, H, q, L \+ q\] with L > visual_start_idx=5"),
+    (lambda a: dict(attn_weights_mixed=a[2][:5] + ["no"] + a[2][6:]), r"layer 5: attention str"),
+])
+def test_the_selection_refuses_bad_arguments_naming_them(change, message):
+    """prune_kv_cache_by_attention called directly: each bad argument is refused with a message naming it."""
+    model = make_instance(Case("llava_ov"))
+    accelerate(model)
+    lists = _lists()
+    arguments = dict(attn_weights_local=lists[0], attn_weights_global=lists[1], attn_weights_mixed=lists[2],
+                     num_keep=BUDGET)
+    arguments.update(change(lists))
+    with pytest.raises(IncompatibleInstance, match="prune_kv_cache_by_attention: " + message):
+        model.prune_kv_cache_by_attention(**arguments)
+
+
+def test_the_selection_takes_the_smallest_budget():
+    """num_keep = 2, the smallest budget (deep layers keep one visual token and the summary), from fp16 attention:
+    the released selection's keep indices."""
+    case = Case("qwen2_5_vl")
+    ref, fast = make_instance(case), make_instance(case)
+    accelerate(fast)
+    lists = [[w.to(torch.float16) for w in prompt] for prompt in _lists(visual=12)]
+    want = ref.prune_kv_cache_by_attention(*lists, num_keep=2)
+    got = fast.prune_kv_cache_by_attention(*lists, num_keep=2)
+    assert [t.tolist() for t in got] == want and got.relative.shape == (LAYERS, 1, 2)
