@@ -263,11 +263,12 @@ def table_line(r: dict) -> str:
     if len(r.get("group", [])) > 1:
         seconds += f" (a run of {len(r['group'])})"
     return (f"| `{r['module']}` | {r['mutants']} | {r['killed']} | {r['timeout']} | {r['crashed']} | "
-            f"{r['survived'] + r['suspicious']} | {r['equivalent']} | {r['no tests']} | {score} | {seconds} |")
+            f"{r['survived'] + r['suspicious']} | {r['equivalent']} | {r['no tests']} | {r['not checked']} | {score} | "
+            f"{seconds} |")
 
 
-TABLE_HEAD = ("| module | mutants | killed | timeout | crashed | survived | of which equivalent | no tests | score | "
-              "time |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+TABLE_HEAD = ("| module | mutants | killed | timeout | crashed | survived | of which equivalent | no tests | "
+              "not run yet | score | time |\n| --- " + "| ---: " * 10 + "|")
 
 
 def main(argv: list[str] | None = None) -> int:
