@@ -138,13 +138,16 @@ class StreamPolicy:
 
 
 def register_policy(cls: type[StreamPolicy]) -> type[StreamPolicy]:
-    """Register a `StreamPolicy` subclass under its `name` (usable as a class decorator); a name taken by another
-    class is refused."""
+    """Register a `StreamPolicy` subclass under its `name` (usable as a class decorator); the same class again changes
+    nothing, a name taken by another class is refused (a built-in name too, before its module was ever imported), and
+    so is anything but a named policy class (docs/policies.md#registry)."""
     if not (isinstance(cls, type) and issubclass(cls, StreamPolicy)):
         raise TypeError(f"policy: expected a StreamPolicy subclass, got {cls!r}")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy: {cls.__name__} needs a class attribute `name` (a non-empty string)")
+    if name in _BUILT_IN and name not in _REGISTERED and cls.__module__ != _BUILT_IN[name]:
+        importlib.import_module(_BUILT_IN[name])  # registers the built-in, which then holds the name
     if _REGISTERED.get(name, cls) is not cls:
         raise ValueError(f"policy: the name {name!r} is taken by {_REGISTERED[name].__name__}")
     _REGISTERED[name] = cls

@@ -45,6 +45,8 @@ def dense_rank_counting(values: torch.Tensor, valid: torch.Tensor) -> torch.Tens
     (positions far apart), the sort of `dense_rank` is cheaper and used.
     """
     n = values.shape[-1]
+    if values.numel() == 0:  # no rows or no lanes: nothing to rank (and no row shape to reshape to)
+        return torch.zeros_like(values)
     widest = counting_span_limit(n)
     if native.library("compact_cpu") is not None:
         return dense_rank_native(values, valid, widest)
@@ -52,7 +54,7 @@ def dense_rank_counting(values: torch.Tensor, valid: torch.Tensor) -> torch.Tens
     ok = valid.expand_as(values).reshape(-1, n)
     low = rows.masked_fill(~ok, BIG).amin(dim=-1, keepdim=True)
     high = rows.masked_fill(~ok, -BIG).amax(dim=-1, keepdim=True)
-    span = int((high - low).amax()) + 1 if rows.numel() else 0
+    span = int((high - low).amax()) + 1
     if span > widest:
         return dense_rank(values, valid)
     # invalid lanes (and rows without a valid value) land in the extra column `span`, past every valid one

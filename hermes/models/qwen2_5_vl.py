@@ -122,7 +122,9 @@ class Qwen2_5_VL(ModelFamily):
         embeds = torch.stack(features.pooler_output).to(device=lm.embed_tokens.weight.device,
                                                         dtype=lm.embed_tokens.weight.dtype)
         vision = model.config.vision_config
-        interval = vision.tokens_per_second * seconds_per_grid
+        # in float32, as get_rope_index takes it (the processor hands second_per_grid_ts over as a float32 tensor):
+        # a double product can truncate to another integer, e.g. 3 x 25 x (10/3) to 250 where transformers has 249
+        interval = float(vision.tokens_per_second * torch.tensor(seconds_per_grid, dtype=torch.float32))
         rel = video_rel_positions(grid, vision.spatial_merge_size, interval, device=embeds.device)
         # the same integers built on the host (float32 arithmetic, bit for bit): the extent without a device read
         extent = int(video_rel_positions(grid, vision.spatial_merge_size, interval).max())

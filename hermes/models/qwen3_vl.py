@@ -26,11 +26,12 @@ TIMESTAMP_DIGITS = 5  # integer digits of a frame's timestamp: runs keep one len
 def timestamp_text(seconds: float) -> str:
     """The text in front of a temporal step's tokens: Qwen3VLProcessor's "<{t:.1f} seconds>" with the integer part
     zero-padded to TIMESTAMP_DIGITS digits, so every run has one length (docs/qwen3_vl.md#decisions). ValueError
-    outside [0, 10^TIMESTAMP_DIGITS) s."""
+    for a negative time and for one that rounds (to one decimal) to 10^TIMESTAMP_DIGITS s or more: either would
+    print another length ("-0000.0", "100000.0")."""
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds) or \
-            not 0 <= round(seconds, 1) < 10 ** TIMESTAMP_DIGITS:
+            seconds < 0 or round(seconds, 1) >= 10 ** TIMESTAMP_DIGITS:
         raise ValueError(f"timestamps: expected seconds in [0, {10 ** TIMESTAMP_DIGITS}), got {seconds!r}")
-    return f"<{seconds:0{TIMESTAMP_DIGITS + 2}.1f} seconds>"
+    return f"<{seconds + 0.0:0{TIMESTAMP_DIGITS + 2}.1f} seconds>"  # + 0.0: -0.0 prints as 0
 
 
 def step_times(count: int, fps: float, start: float, temporal_patch_size: int) -> list[float]:

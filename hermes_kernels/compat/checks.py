@@ -135,10 +135,11 @@ def instance_problems(model: Any, kind: str, parts: Sequence[str], schedule: Rel
     return problems, LMParts(lm, layers or [], heads, kv_heads, head_dim, int(max_positions), rotary, inv_freq)
 
 
-def cache_layers(model: Any, lm: LMParts, equal: bool,
-                 what: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
+def cache_layers(model: Any, lm: LMParts, equal: bool, what: str,
+                 visual: bool = True) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
     """The per-layer (keys, values) of the cache, checked: [1, Hkv, L_l, D] pairs of one floating dtype, the
-    model's KV heads and head dim, every layer longer than the prefix; with `equal`, one length for all."""
+    model's KV heads and head dim, with `visual` every layer longer than the prefix; with `equal`, one length for
+    all."""
     pairs, container = read_layers(getattr(model, "kv_cache", None))
     problems = []
     if len(pairs) != model.num_layers:
@@ -153,7 +154,7 @@ def cache_layers(model: Any, lm: LMParts, equal: bool,
         elif (k.shape[1], k.shape[3]) != (lm.kv_heads, lm.head_dim):
             problems.append(f"layer {index}: [1, Hkv, L, D] = {tuple(k.shape)}, expected Hkv={lm.kv_heads} and "
                             f"D={lm.head_dim} (language_model.config)")
-        elif k.shape[2] <= model.visual_start_idx:
+        elif visual and k.shape[2] <= model.visual_start_idx:
             problems.append(f"layer {index}: {k.shape[2]} tokens hold nothing after the prefix "
                             f"(visual_start_idx={model.visual_start_idx})")
         elif any(st == 0 and size > 1 for st, size in zip(k.stride() + v.stride(), k.shape + v.shape)):

@@ -159,7 +159,8 @@ class GuidancePass:
         else pooled guidance attention, the selection, and the instance's apply_kv_cache_pruning_strict."""
         with torch.inference_mode():
             m = self.model
-            pairs, _ = cache_layers(m, self._lm, equal=True, what="pseudo_forward")
+            # a cache of the prefix alone is no error here: under kv_size, nothing follows (as in the released code)
+            pairs, _ = cache_layers(m, self._lm, equal=True, what="pseudo_forward", visual=False)
             if pairs[0][0].shape[2] <= m.kv_size:
                 self.stats["guidance_skipped"] += 1
                 return

@@ -27,11 +27,13 @@ class KeepIndices(list):
     def __init__(self, per_layer: Sequence[torch.Tensor], relative: torch.Tensor, budget: int, prefix_len: int):
         super().__init__(per_layer)
         self.relative, self.budget, self.prefix_len = relative, budget, prefix_len
-        self._ids = [id(t) for t in per_layer]
+        self._made = torch.cat(list(per_layer))  # a copy: an entry replaced or written in place differs from it
 
     def untouched(self) -> bool:
-        """True while no entry has been replaced since the selection made the list."""
-        return [id(t) for t in self] == self._ids
+        """True while the entries hold what the selection made (one device compare): a caller may replace an entry
+        or write into one before the shrink, which then keeps what it is handed."""
+        now = torch.cat(list(self))
+        return now.shape == self._made.shape and bool(torch.equal(now, self._made))
 
 
 class CompressionStep:

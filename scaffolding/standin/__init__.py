@@ -3,15 +3,17 @@ tests and the released-style baseline of `python -m bench` (docs/integrations.md
 
 Written here from the released classes' documented behaviour (docs/hermes.md §5), not copied: the state they keep on
 the model object and the methods `hermes_kernels.compat.accelerate` replaces, with the released numerics where they
-matter. Like the kernel library it imports neither transformers nor `hermes`. Modules: scaffolding/standin/released.py
-(`ReleasedLLaVAOV`, `ReleasedQwenVL`), scaffolding/standin/language_model.py (the tiny decoder and `TinyTokenizer`
-they hold), scaffolding/standin/dynamic_cache.py (transformers 4.x / 5.x `DynamicCache` look-alikes).
+matter. It imports neither transformers nor this project's packages (not even `hermes_kernels.compat`, which it
+checks). Modules: scaffolding/standin/released.py (`ReleasedLLaVAOV`, `ReleasedQwenVL`),
+scaffolding/standin/language_model.py (the tiny decoder and `TinyTokenizer` they hold),
+scaffolding/standin/dynamic_cache.py (transformers 4.x / 5.x `DynamicCache` look-alikes, reading and writing every
+container).
 """
-from .dynamic_cache import LayeredDynamicCache, LegacyDynamicCache
+from .dynamic_cache import LayeredDynamicCache, LegacyDynamicCache, layer_pairs, with_layers
 from .language_model import (RMSNorm, Rotary, TinyAttention, TinyCausalLM, TinyDecoderLayer, TinyLanguageModel,
                              TinyTokenizer, rope_tables, rotate_half)
 from .released import GLOBAL_PROMPT, LOCAL_PROMPT, ReleasedLLaVAOV, ReleasedQwenVL
 
 __all__ = ["ReleasedLLaVAOV", "ReleasedQwenVL", "LOCAL_PROMPT", "GLOBAL_PROMPT", "TinyLanguageModel", "TinyCausalLM",
            "TinyDecoderLayer", "TinyAttention", "RMSNorm", "Rotary", "TinyTokenizer", "rope_tables", "rotate_half",
-           "LegacyDynamicCache", "LayeredDynamicCache"]
+           "LegacyDynamicCache", "LayeredDynamicCache", "layer_pairs", "with_layers"]

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hermes_kernels.compat.caches import read_layers
+from .dynamic_cache import layer_pairs, with_layers
 
 
 class TinyTokenizer:
@@ -39,7 +39,9 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """The rotary module's readable part: `inv_freq` [D/2] and `attention_scaling`."""
+    """The rotary module's readable part: `inv_freq` [D/2] and `attention_scaling`, the factor a transformers rotary
+    module multiplies its cos and sin tables by (1 for the default rotary; YaRN and LongRoPE set another), so that
+    queries and keys both carry it."""
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
@@ -54,9 +56,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
-                mrope_section: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mrope_section: Sequence[int] | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [n, D] of positions [n] (1D) or [3, n] (M-RoPE, sections over each half of the channels), computed
-    in fp32 and stored in `dtype`, as a model's rotary module hands them out."""
+    in fp32, times the rotary module's `scaling` (`Rotary.attention_scaling`), stored in `dtype`, as a model's rotary
+    module hands them out."""
     freq = inv_freq.to(device=positions.device, dtype=torch.float32)
     if mrope_section is None:
         angle = positions.to(torch.float32)[:, None] * freq
@@ -65,7 +68,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
                                        torch.tensor(list(mrope_section), device=positions.device))
         angle = positions.to(torch.float32).T[:, axis] * freq  # [n, D/2], each pair on its own axis
     angle = torch.cat([angle, angle], dim=-1)
-    return angle.cos().to(dtype), angle.sin().to(dtype)
+    return (angle.cos() * scaling).to(dtype), (angle.sin() * scaling).to(dtype)
 
 
 class TinyAttention(nn.Module):
@@ -101,7 +104,7 @@ class TinyDecoderLayer(nn.Module):
             self.mlp = shared.mlp
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, past=None, inv_freq=None,
-                output_attentions: bool = False):
+                output_attentions: bool = False, scaling: float = 1.0):
         a = self.self_attn
         B, Q, _ = hidden.shape
         h = self.input_layernorm(hidden)
@@ -109,7 +112,7 @@ class TinyDecoderLayer(nn.Module):
         k = a.k_proj(h).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
         v = a.v_proj(h).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
         pos = position_ids[0, 0] if position_ids.dim() == 3 else position_ids[0]  # text tokens: equal t/h/w
-        cos, sin = rope_tables(pos, inv_freq, q.dtype)
+        cos, sin = rope_tables(pos, inv_freq, q.dtype, scaling=scaling)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if past is not None:
             k = torch.cat([past[0].to(k.dtype), k], dim=2)
@@ -164,11 +167,12 @@ class TinyLanguageModel(nn.Module):
     def forward(self, input_ids=None, inputs_embeds=None, past_key_values=None, use_cache=False, position_ids=None,
                 output_attentions=False, output_hidden_states=False, **unused):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        past = read_layers(past_key_values)[0] if past_key_values is not None else [None] * len(self.layers)
+        past = layer_pairs(past_key_values) if past_key_values is not None else [None] * len(self.layers)
         states, attentions = [hidden], []
         for index, layer in enumerate(self.layers):
             hidden, probs = layer(hidden, position_ids=position_ids, past=past[index],
-                                  inv_freq=self.rotary_emb.inv_freq, output_attentions=output_attentions)
+                                  inv_freq=self.rotary_emb.inv_freq, output_attentions=output_attentions,
+                                  scaling=self.rotary_emb.attention_scaling)
             states.append(hidden)
             attentions.append(probs)
         if past_key_values is not None and not isinstance(past_key_values, (list, tuple)):
@@ -180,14 +184,9 @@ class TinyLanguageModel(nn.Module):
 
 def _append_like_transformers(cache, n: int) -> None:
     """What a transformers attention layer does to a DynamicCache it is handed: appends the new tokens' keys."""
-    pairs, _ = read_layers(cache)
     grown = [(torch.cat([k, k[:, :, -1:].expand(-1, -1, n, -1)], 2), torch.cat([v, v[:, :, -1:].expand(-1, -1, n, -1)],
-                                                                              2)) for k, v in pairs]
-    if hasattr(cache, "layers"):
-        for layer, (k, v) in zip(cache.layers, grown):
-            layer.keys, layer.values = k, v
-    else:
-        cache.key_cache[:], cache.value_cache[:] = [k for k, _ in grown], [v for _, v in grown]
+                                                                              2)) for k, v in layer_pairs(cache)]
+    with_layers(cache, grown)
 
 
 class TinyCausalLM(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hermes_kernels.compat.caches import read_layers, write_layers
+from .dynamic_cache import layer_pairs, with_layers
 from .language_model import rope_tables, rotate_half
 
 # our own wording of a local and a global guidance prompt (the released texts are the instance's business)
@@ -80,7 +80,7 @@ class _ReleasedStandIn:
         return lm.model.embed_tokens if hasattr(lm, "model") else lm.embed_tokens
 
     def _lengths(self) -> list[int]:
-        return [k.shape[2] for k, _ in read_layers(self.kv_cache)[0]]
+        return [k.shape[2] for k, _ in layer_pairs(self.kv_cache)]
 
     @staticmethod
     def allocate_budget_by_depth(total_budget: int, num_layers: int) -> list[int]:
@@ -108,8 +108,8 @@ class _ReleasedStandIn:
         """Append one chunk's per-layer keys/values [1, Hkv, q, D] and their positions (encode_video_chunk)."""
         starts = self._next_starts()
         q = keys[0].shape[2]
-        pairs, kind = read_layers(self.kv_cache)  # appended in the cache's own container, as a forward does
-        self.kv_cache = write_layers(self.kv_cache, kind, [
+        pairs = layer_pairs(self.kv_cache)  # appended in the cache's own container, as a forward does
+        self.kv_cache = with_layers(self.kv_cache, [
             (torch.cat([k0, k], 2).contiguous(), torch.cat([v0, v], 2).contiguous())
             for (k0, v0), k, v in zip(pairs, keys, values)])
         for layer, start in enumerate(starts):
@@ -208,7 +208,9 @@ class _ReleasedStandIn:
         self.kv_cache = shrunk
 
     def _rotate(self, x: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Rotate cached keys x [1, Hkv, n, D] from positions old to new through cos/sin tables in x's dtype."""
+        """Rotate cached keys x [1, Hkv, n, D] from positions old to new through cos/sin tables in x's dtype. The
+        tables are at scale 1 whatever the rotary module's `attention_scaling`: a delta is a rotation, and the keys
+        carry the scale once already (from the forward that cached them)."""
         inv_freq = self._rotary().inv_freq
         section = getattr(self, "_mrope_section", None)
         cos_o, sin_o = rope_tables(old, inv_freq, x.dtype, section)
@@ -239,7 +241,7 @@ class _ReleasedStandIn:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = config.hidden_size // heads
         q_len = input_ids.shape[1]
-        inv_freq = self._rotary().inv_freq
+        inv_freq, scaling = self._rotary().inv_freq, self._rotary().attention_scaling
         out = []
         for layer, block in enumerate(self._decoder_layers()):
             past_k, past_v = past_key_values[layer]
@@ -248,7 +250,7 @@ class _ReleasedStandIn:
             k = block.self_attn.k_proj(h).view(1, q_len, kv_heads, head_dim).transpose(1, 2)
             v = block.self_attn.v_proj(h).view(1, q_len, kv_heads, head_dim).transpose(1, 2)
             pos = int(starts[layer]) + torch.arange(q_len, device=q.device)
-            cos, sin = rope_tables(pos, inv_freq, q.dtype)
+            cos, sin = rope_tables(pos, inv_freq, q.dtype, scaling=scaling)  # as the model's rotary module
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
             k = k.repeat_interleave(heads // kv_heads, dim=1)

@@ -1,0 +1,110 @@
+"""hermes_kernels.native's smaller rules, in-process (docs/security.md#native-cache): the reason given when there is
+no compiler at all, each cache warning said once, which files the cache loads (a missing one silently not, a folder,
+a socket or a group-writable file with a warning naming it), and the builds' fallbacks when the cache folder cannot
+be written and the first flag fails, or when no temporary folder can be made."""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+
+from hermes_kernels import native
+from tests.hermes_kernels.test_native import cache, load  # noqa: F401 (the fixture, and a fresh build)
+
+
+def test_no_compiler_on_the_path(monkeypatch, tmp_path):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert native._compiler() is None
+    assert native._no_compiler() == "no C compiler found ($CC, cc, gcc, clang)"
+
+
+def test_a_cache_warning_is_said_once(monkeypatch):
+    monkeypatch.setattr(native, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for message in ("first", "first", "second", "first"):
+            native._warn_once(message)
+    assert [str(w.message) for w in caught] == ["first", "second"]
+
+
+def _trusted(path, monkeypatch) -> tuple[bool, list[str]]:
+    monkeypatch.setattr(native, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        verdict = native._trusted_file(path)
+    return verdict, [str(w.message) for w in caught]
+
+
+def test_which_files_the_cache_loads(tmp_path, monkeypatch):
+    private = tmp_path / "private.so"
+    private.write_bytes(b"\x7fELF")
+    private.chmod(0o755)
+    assert _trusted(private, monkeypatch) == (True, [])
+    assert _trusted(tmp_path / "missing.so", monkeypatch) == (False, [])
+    folder = tmp_path / "folder.so"
+    folder.mkdir(mode=0o755)
+    assert _trusted(folder, monkeypatch) == (False, [f"hermes_kernels: a cached library is not loaded: {folder} is "
+                                                     f"not a regular file; building it anew"])
+    shared = tmp_path / "shared.so"
+    shared.write_bytes(b"\x7fELF")
+    shared.chmod(0o775)
+    verdict, said = _trusted(shared, monkeypatch)
+    assert not verdict and said == [f"hermes_kernels: a cached library is not loaded: {shared} is writable by its "
+                                    f"group or others (mode 0775); building it anew"]
+    plug = tmp_path / "plug.so"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(plug))
+        verdict, said = _trusted(plug, monkeypatch)
+    assert not verdict and len(said) == 1 and f"{plug} cannot be opened: " in said[0]
+
+
+def test_an_unwritable_folder_and_a_compiler_without_march_native(cache, tmp_path, monkeypatch):  # noqa: F811
+    """The cache folder refuses new files and the first flag fails: the second try builds in a private temporary
+    folder too, never in the working directory."""
+    cache.mkdir()
+    no_native = tmp_path / "cc-no-native"
+    no_native.write_text(f'#!/bin/sh\ncase "$*" in *-march=native*) echo "unknown -march=native" >&2; exit 1;; esac\n'
+                         f'exec {native._compiler()} "$@"\n')
+    no_native.chmod(0o755)
+    monkeypatch.setenv("CC", str(no_native))
+    mkstemp = native.tempfile.mkstemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and os.path.abspath(dir) == os.path.abspath(cache):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(native.tempfile, "mkstemp", refuse)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    build = load("stce_cpu")
+    assert build.action == "built" and not build.in_cache and build.compiles == 2
+    assert os.listdir(work) == [] and os.listdir(cache) == []
+
+
+def test_no_folder_to_build_in(cache, tmp_path, monkeypatch):  # noqa: F811
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
+
+    def no_temporary(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(native.tempfile, "mkdtemp", no_temporary)
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    reason = native.unavailable_reason("stce_cpu")
+    assert reason.startswith(f"no folder to build stce_cpu in: {blocker / 'cache'} is unusable and ")
+    assert "No space left on device" in reason
+    build = native.last_build
+    assert (build.name, build.action, build.compiles) == ("stce_cpu", "failed", 0)
+
+
+@pytest.fixture(autouse=True)
+def needs_a_compiler():
+    if native._compiler() is None:
+        pytest.skip("no C compiler found ($CC, cc, gcc, clang)")
