@@ -16,8 +16,9 @@ import hermes_kernels as hk
 from hermes.dense import DenseCache
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.dispatch import check_backend
-from hermes_kernels.policies.hermes.checks import check_stacks
+from hermes_kernels.policies.hermes.checks import check_attn_finite, check_stacks
 from hermes_kernels.policies.hermes.config import HermesConfig
+from hermes_kernels.policies.hermes.tensor_parallel import check_group, group_mean
 from hermes_kernels.results import CompressResult
 from hermes_kernels.rope import RotaryLayout
 
@@ -75,12 +76,15 @@ class HermesCache(DenseCache):
         return layer_attention(module, self, layer, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     # ---- compression ------------------------------------------------------------------------------------
-    def compress(self, attn: torch.Tensor, backend: str = "auto") -> CompressResult:
+    def compress(self, attn: torch.Tensor, backend: str = "auto", *, group=None) -> CompressResult:
         """One HERMES step over the valid slots of every stack, in place (`hermes_kernels.compress_stacks`,
         docs/hermes.md §2; one stack takes the same fused path as `compress_step`).
 
         attn: float32 [L, B, V], V = length - prefix_len, pooled guidance attention (e.g. `guidance_attn`), on any
         device. Afterwards the length is prefix_len + min(budget, V) in every layer.
+        group: under tensor parallelism, the process group of the ranks holding the other heads: attn is this rank's
+        share, averaged over the group (`hermes_kernels`' `group_mean`, the step's one collective) after the
+        shapes are checked and before its values are, so every rank refuses or steps alike (docs/multi-gpu.md).
 
         Failures: bad input (shape, dtype, backend, non-finite attn) raises ValueError/TypeError before anything is
         written; every stack is unchanged. Inputs are checked here first (`compress_stacks` checks them again) so
@@ -96,7 +100,11 @@ class HermesCache(DenseCache):
         check_backend(backend)
         stacks = [(range(s.first, s.first + s.keys.shape[0]), s.keys[:, :, :, :n], s.values[:, :, :, :n],
                    s.positions[..., :n], s.inv_freq) for s in self._stacks]
-        check_stacks(stacks, attn, self.cfg, self.rotary)
+        check_stacks(stacks, attn, self.cfg, self.rotary, finite=group is None)
+        check_group(group)
+        if group is not None:
+            attn = group_mean(attn, group)
+            check_attn_finite(attn)
 
         def step() -> tuple[CompressResult, bool]:
             result = hk.compress_stacks(stacks, attn, self.cfg, self.rotary, backend=backend)

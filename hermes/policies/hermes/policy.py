@@ -16,6 +16,7 @@ from hermes.cache import prefill
 from hermes.models import VideoChunk
 from hermes.policy import StreamPolicy, StreamSetup, register_policy
 from hermes_kernels.policies.hermes.config import HermesConfig
+from hermes_kernels.policies.hermes.tensor_parallel import group_mean
 from hermes_kernels.results import CompressResult
 
 from .cache import HermesCache
@@ -59,6 +60,8 @@ class HermesPolicy(StreamPolicy):
             capacity=config.prefix_len + config.budget + setup.chunk_tokens + setup.room, dtype=setup.dtype,
             inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices)
         self.plan = GuidancePlan.from_config(config)
+        # tensor parallelism: the ranks' pooled attention (each over its own heads) is averaged once per step
+        self.group = None if setup.shard is None else setup.shard.group
         self._prompt_ids: tuple[tuple, list] | None = None  # (history, its prompts' token ids)
 
     def prompt_ids(self, history: tuple[str | None, ...]) -> list[list[list[int]]]:
@@ -87,11 +90,13 @@ class HermesPolicy(StreamPolicy):
             if not compress:
                 return None
             attn = run_guidance(setup.language_model, cache, self.plan, ids, setup.backend)
-        return cache.compress(attn, backend=setup.backend)
+        return cache.compress(attn, backend=setup.backend, group=self.group)
 
     def guidance_scores(self, layers: Sequence[int] | None, history: tuple[str | None, ...]) -> torch.Tensor:
-        """Pooled guidance attention [L, B, V] of a read-only pass over the cache as it is (a copy)."""
+        """Pooled guidance attention [L, B, V] of a read-only pass over the cache as it is (a copy; under tensor
+        parallelism averaged over the ranks, the same on every rank)."""
         plan = self.plan if layers is None else GuidancePlan.from_config(self.cfg, layers)
         ids = plan.token_ids(self.setup.tokenizer, history)
         self.cache.check_room(guidance_length(ids))
-        return run_guidance(self.setup.language_model, self.cache, plan, ids, self.setup.backend).clone()
+        attn = run_guidance(self.setup.language_model, self.cache, plan, ids, self.setup.backend)
+        return attn.clone() if self.group is None else group_mean(attn, self.group)
