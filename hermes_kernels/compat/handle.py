@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
+from ..checks import check_group
 from ..dispatch import check_backend
 from ..policies.hermes.config import HermesConfig
-from ..policies.hermes.tensor_parallel import check_group
 from .caches import IncompatibleInstance
 from .checks import LMParts, instance_problems
 from .guidance import GuidancePass

@@ -57,6 +57,25 @@ def test_four_ranks_stream_as_one_process(checkpoints):
     run_ranks(_four_ranks, 4, checkpoints)
 
 
+def test_caches_refuse_what_tensor_parallelism_cannot_use():
+    """In one process: a group that is not a process group, and an H2SVC class set that leaves out a class with
+    heads in the rank's map, are refused naming the argument."""
+    from hermes_kernels import H2SVCConfig, HermesConfig
+    from hermes.policies.h2svc.cache import H2SVCCache
+    from hermes.policies.hermes.cache import HermesCache
+
+    common = dict(batch_size=1, head_dim=16, dtype=torch.float32, inv_freq=torch.ones(8))
+    with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup"):
+        HermesCache(HermesConfig.llava_ov(4, 8, 2), num_kv_heads=1, capacity=40, group="world", **common)
+    cfg = H2SVCConfig.llava_ov(4, 1, 2, head_map=[[0], [1], [2], [2]], tokens_per_frame=4)
+    h2svc = dict(cfg=cfg, num_heads=2, chunk_frames=2, room=8, **common)
+    with pytest.raises(TypeError, match="group: expected"):
+        H2SVCCache(group=object(), **h2svc)
+    with pytest.raises(ValueError, match=r"classes: expected classes of \(0, 1, 2\) including those with heads"):
+        H2SVCCache(classes=(1, 2), **h2svc)
+    assert H2SVCCache(classes=(2, 0, 1), **h2svc).classes == (0, 1, 2)
+
+
 # ---- what every rank runs --------------------------------------------------------------------------------------
 
 def _load(folder: str, tp: int | None):

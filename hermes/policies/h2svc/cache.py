@@ -46,7 +46,7 @@ import torch
 import hermes_kernels as hk
 from hermes.cache import Forward, StreamCacheBase, layer_runs
 from hermes.parallel import refusing_ranks
-from hermes_kernels.checks import check_positive_int, read_contents
+from hermes_kernels.checks import check_group, check_positive_int, read_contents
 from hermes_kernels.dispatch import check_backend
 from hermes_kernels.dtypes import CACHE_DTYPES
 from hermes_kernels.policies.h2svc.checks import check_h2svc_step
@@ -113,13 +113,15 @@ class H2SVCCache(StreamCacheBase):
         classes:        the classes whose host counters run (default: those with heads in cfg). Under tensor
                         parallelism, those of the whole model's map: a rank whose columns hold no head of a class
                         still counts its frames, so the lengths, room and positions of every rank agree.
+        group:          under tensor parallelism, the `torch.distributed` process group of the ranks holding the
+                        model's other heads (cfg's map is this rank's columns); None in one process.
     """
 
     def __init__(self, cfg: H2SVCConfig, *, batch_size: int, num_heads: int, head_dim: int, chunk_frames: int,
                  room: int, dtype: torch.dtype, inv_freq: torch.Tensor,
                  rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
-                 classes: Sequence[int] | None = None):
+                 classes: Sequence[int] | None = None, group=None):
         if not isinstance(cfg, H2SVCConfig):
             raise TypeError(f"cfg: expected an H2SVCConfig, got {type(cfg).__name__}")
         runs = layer_runs(cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=head_dim,
@@ -127,6 +129,7 @@ class H2SVCCache(StreamCacheBase):
                           stack_bounds=stack_bounds)
         for name, value in (("num_heads", num_heads), ("chunk_frames", chunk_frames), ("room", room)):
             check_positive_int(name, value)
+        check_group(group)
         if num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_heads: {num_heads} query heads do not form GQA groups over "
                              f"{cfg.num_kv_heads} KV heads")
@@ -135,6 +138,7 @@ class H2SVCCache(StreamCacheBase):
         super().__init__(num_layers=cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads,
                          head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=ClassCounters())
         self.cfg = cfg
+        self.group = group
         self.num_heads = num_heads
         self.dtype = dtype
         self.chunk_frames = chunk_frames
@@ -393,16 +397,16 @@ class H2SVCCache(StreamCacheBase):
         super().reset()
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def step(self, backend: str = "auto", *, group=None) -> H2SVCChunkResult:
+    def step(self, backend: str = "auto") -> H2SVCChunkResult:
         """One H2SVC step after a chunk's prefill (docs/h2svc.md §3–4), every class block in place: FIFO / STCE keep
         sets, the slot plan, and the right-aligned re-index when `cfg.needs_reindex` says so (module docstring).
 
         Every block is checked before the first one is written (ValueError/TypeError, cache untouched); an
-        exception after that leaves the cache `undefined`. group: under tensor parallelism, the ranks holding the
-        other heads. Where the checks read the blocks' contents (CPU tensors; `read_contents`), a rank's verdict
-        may differ from the others' (a non-finite value in its heads only), so the ranks agree first
-        (`hermes.parallel.refusing_ranks`, one all-reduce of a flag per rank): one refusal, and every rank refuses
-        with its cache untouched (docs/multi-gpu.md#failures).
+        exception after that leaves the cache `undefined`. Under tensor parallelism (`group`), where the checks read
+        the blocks' contents (CPU tensors; `read_contents`), a rank's verdict may differ from the others' (a
+        non-finite value in its heads only), so the ranks agree first (`hermes.parallel.refusing_ranks`, one
+        all-reduce of a flag per rank): one refusal, and every rank refuses with its cache untouched
+        (docs/multi-gpu.md#failures).
         """
         self._check_defined()
         n = self.counters
@@ -428,8 +432,8 @@ class H2SVCCache(StreamCacheBase):
                 calls.append((args, block_clock, block.features))
         except (ValueError, TypeError) as error:
             refusal = error
-        if group is not None and read_contents(None, self.blocks[0].values):
-            refused = refusing_ranks(group, refusal is not None, self.blocks[0].device)
+        if self.group is not None and read_contents(None, self.blocks[0].values):
+            refused = refusing_ranks(self.group, refusal is not None, self.blocks[0].device)
             if refused and refusal is None:
                 refusal = ValueError(f"step: rank(s) {refused} refused the arriving frames of their heads; every "
                                      f"rank refuses the step (its cache as before the chunk)")

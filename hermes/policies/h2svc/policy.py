@@ -87,11 +87,11 @@ class H2SVCPolicy(StreamPolicy):
         # every rank moves the host counters of the classes of the whole map, held here or not, so all stay in step
         classes = tuple(c for c in CLASSES if config.num_rows(c))
         self.cfg = config if shard is None else rank_config(config, shard)
-        self.group = None if shard is None else shard.group
         self.cache = H2SVCCache(
             self.cfg, batch_size=setup.batch_size, num_heads=geometry.num_heads, head_dim=geometry.head_dim,
             chunk_frames=chunk_frames, room=setup.room, dtype=setup.dtype, inv_freq=setup.inv_freq,
-            rotary=geometry.rotary, layer_devices=setup.layer_devices, classes=classes)
+            rotary=geometry.rotary, layer_devices=setup.layer_devices, classes=classes,
+            group=None if shard is None else shard.group)
 
     @staticmethod
     def _head_map(head_map, model):
@@ -111,7 +111,7 @@ class H2SVCPolicy(StreamPolicy):
             raise ValueError(f"video: the chunk has {count} tokens in {chunk.frames} frames; the H2SVC cache was built "
                              f"for frames of tokens_per_frame={T_f} (frame_size)")
         prefill(self.setup.language_model, self.cache, chunk, frames=chunk.frames, extent=chunk.extent)
-        return self.cache.step(backend=self.setup.backend, group=self.group)
+        return self.cache.step(backend=self.setup.backend)
 
 
 def rank_config(config: H2SVCConfig, shard: HeadShard) -> H2SVCConfig:

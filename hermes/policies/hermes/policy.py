@@ -55,13 +55,13 @@ class HermesPolicy(StreamPolicy):
                              f"(the prefix tokens), got {config.num_layers} and {config.prefix_len}")
         self.cfg = config
         self.fused_guidance = fused_guidance
+        # tensor parallelism: the ranks' pooled attention (each over its own heads) is averaged once per step
+        self.group = None if setup.shard is None else setup.shard.group
         self.cache = HermesCache(
             config, batch_size=setup.batch_size, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
             capacity=config.prefix_len + config.budget + setup.chunk_tokens + setup.room, dtype=setup.dtype,
-            inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices)
+            inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices, group=self.group)
         self.plan = GuidancePlan.from_config(config)
-        # tensor parallelism: the ranks' pooled attention (each over its own heads) is averaged once per step
-        self.group = None if setup.shard is None else setup.shard.group
         self._prompt_ids: tuple[tuple, list] | None = None  # (history, its prompts' token ids)
 
     def prompt_ids(self, history: tuple[str | None, ...]) -> list[list[list[int]]]:
@@ -90,7 +90,7 @@ class HermesPolicy(StreamPolicy):
             if not compress:
                 return None
             attn = run_guidance(setup.language_model, cache, self.plan, ids, setup.backend)
-        return cache.compress(attn, backend=setup.backend, group=self.group)
+        return cache.compress(attn, backend=setup.backend)
 
     def guidance_scores(self, layers: Sequence[int] | None, history: tuple[str | None, ...]) -> torch.Tensor:
         """Pooled guidance attention [L, B, V] of a read-only pass over the cache as it is (a copy; under tensor

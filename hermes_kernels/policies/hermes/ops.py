@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ...checks import check_group
 from ...dispatch import pick, resolve_backend
 from ...results import CompressResult
 from ...rope import RotaryLayout
@@ -21,7 +22,7 @@ from . import compaction, compaction_triton, pooling, scoring, select
 from .checks import (check_attn, check_attn_finite, check_cache, check_reindexed, check_compress, check_keep,
                      check_layers, check_pooled_attention, check_scores, check_stacks)
 from .config import HermesConfig
-from .tensor_parallel import check_group, group_mean
+from .tensor_parallel import group_mean
 
 
 def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *,

@@ -11,12 +11,6 @@ import torch
 import torch.distributed as dist
 
 
-def check_group(group) -> None:
-    """`group`: None (one process) or a `torch.distributed` process group; TypeError naming it otherwise."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-
-
 def group_mean(attn: torch.Tensor, group) -> torch.Tensor:
     """The mean over the group's ranks of each rank's attn [L, B, V] float32 (float64 kept): a new contiguous tensor
     on attn's device, from one all-reduce (sum) divided by the group's size; attn itself when group is None.
