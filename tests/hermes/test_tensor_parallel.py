@@ -23,8 +23,6 @@ from scaffolding.tokenizer import tiny_tokenizer
 from tests.hermes.streams import CASES, QUESTION
 from tests.ranks import run_ranks
 
-pytestmark = pytest.mark.filterwarnings("ignore:head_map. not profiled")
-
 CHUNKS = 5
 # both policies' settings: HERMES keeps 40 visual tokens (every chunk after the first compresses); H2SVC's windows of
 # 1, 2 and 3 frames evict from the second chunk on
