@@ -30,7 +30,9 @@ setup(
                   # lmms-eval --model hermes (docs/evaluation.md): its registry reads this group when it starts
                   "lmms_eval.models": ["hermes = hermes.eval.manifest:manifest"]},
     extras_require={
-        "model": ["transformers>=5.0,<6"],  # the model glue, hermes (HermesStream, the caches, the commands)
+        # the model glue, hermes (HermesStream, the caches, the commands); accelerate: transformers asks for it to
+        # load a model with tensor parallelism (DistributedConfig(tp_size=N), docs/multi-gpu.md)
+        "model": ["transformers>=5.0,<6", "accelerate>=1.0,<2"],
         # av: the tests write and decode .mp4 files (python -m hermes needs it too, see "video")
         "test": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6", "av>=12"],
         "bench": ["matplotlib>=3.7", "tqdm>=4.60"],  # python -m bench; its end-to-end rows also need "model"

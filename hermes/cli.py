@@ -4,6 +4,7 @@ HERMES (or H2SVC) cache and answer questions about it; `run(...)` does the same 
 
     hermes --model PATH --video FILE --question "What is the person holding?"
     hermes --model PATH --video FILE --policy h2svc --head-map map.json --ask-at 30s:"What just happened?" --json
+    torchrun --nproc-per-node 2 -m hermes --tp 2 --model PATH --video FILE --question "..."   # docs/multi-gpu.md
 
 Every input is checked before any weights load (`check_run`). Options, errors, records: docs/cli.md.
 """
@@ -22,8 +23,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from hermes.video import VideoReader, as_fraction, parse_time
-from hermes.commands import (LoadedModel, UsageError, check_checkpoint, command_parser, load_model, load_processor,
-                             resolve_device, resolve_dtype, run_main, usage)
+from hermes.commands import (LoadedModel, UsageError, check_checkpoint, check_tp, check_tp_model, command_parser,
+                             load_model, load_processor, resolve_device, resolve_dtype, run_main, tp_device, usage)
 from hermes_kernels.checks import check_positive_int
 
 POLICIES = ("hermes", "h2svc")
@@ -33,12 +34,13 @@ _ASK_AT = re.compile(r"^\s*(\d+(?::\d+){0,2}(?:\.\d+)?s?)\s*:(.*)$", re.DOTALL)
 @dataclasses.dataclass
 class RunCheck:
     """What `check_run` found before any weights load: the question schedule, the device and dtype, for a
-    checkpoint folder its family, processor and config, and `keep`, the frame size the processor keeps
-    (`VideoReader.chunks`' keep)."""
+    checkpoint folder its family, processor and config, `keep`, the frame size the processor keeps
+    (`VideoReader.chunks`' keep), and `tp`, the tensor-parallel degree (1: one process)."""
 
     schedule: list[tuple[float, str]]
     device: torch.device
     dtype: torch.dtype
+    tp: int = 1
     family: object = None
     processor: object = None
     config: object = None
@@ -48,11 +50,12 @@ class RunCheck:
 def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike, *, ask_at: Sequence = (),
               fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
               head_map: str | os.PathLike | None = None, device: str | torch.device | None = None,
-              dtype: str | torch.dtype = "auto", max_new_tokens: int = 64) -> RunCheck:
-    """Every check of `run` that needs no weights (docs/cli.md#stream-a-video-file), in this order: settings, the
-    video's header, the device, the checkpoint and its processor, the video's first chunk (decoded at the size the
-    processor keeps) and the --ask-at times against the video, the budget against the positions, the head map.
-    UsageError for a setting that cannot work; FileNotFoundError or ValueError for an input that cannot be read."""
+              dtype: str | torch.dtype = "auto", max_new_tokens: int = 64, tp: int | None = None) -> RunCheck:
+    """Every check of `run` that needs no weights (docs/cli.md#stream-a-video-file), in this order: settings (tp
+    against the processes torchrun started), the video's header, the device, the checkpoint (its heads against tp)
+    and its processor, the video's first chunk (decoded at the size the processor keeps) and the --ask-at times
+    against the video, the budget against the positions, the head map. UsageError for a setting that cannot work;
+    FileNotFoundError or ValueError for an input that cannot be read."""
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
     from hermes_kernels import HermesConfig
 
@@ -61,15 +64,18 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
         usage(lambda: check_positive_int(name, value))
     schedule = usage(lambda: sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0]))
     usage(lambda: policy_kwargs(policy, budget, head_map))  # a missing head map file: FileNotFoundError
+    tp = check_tp(tp)
     with VideoReader(video) as reader:  # the header: a video stream of frames of a sane size
         duration, source = reader.duration, reader.size
     if isinstance(model, LoadedModel):
-        check = RunCheck(schedule, model.device, next(model.model.parameters()).dtype, model.family,
+        check = RunCheck(schedule, model.device, next(model.model.parameters()).dtype, tp, model.family,
                          model.processor, model.model.config)
     else:
-        resolved = usage(lambda: resolve_device(device))
-        check = RunCheck(schedule, resolved, usage(lambda: resolve_dtype(dtype, resolved)))
+        resolved = usage(lambda: resolve_device(device) if tp == 1 else tp_device(device))
+        check = RunCheck(schedule, resolved, usage(lambda: resolve_dtype(dtype, resolved)), tp)
         check.config, check.family = check_checkpoint(model)
+        if tp > 1:
+            check_tp_model(check.config, check.family, tp)
         check.processor = load_processor(model, check.family)
     check.keep = check.family.kept_size(check.processor, *source)
     with VideoReader(video) as reader:
@@ -167,7 +173,7 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
         policy: str = "hermes", head_map: str | os.PathLike | None = None,
         device: str | torch.device | None = None, dtype: str | torch.dtype = "auto",
         max_new_tokens: int = 64, on_record: Callable[[dict], None] | None = None,
-        progress: bool = False) -> list[dict]:
+        progress: bool = False, tp: int | None = None) -> list[dict]:
     """Stream `video` through `model` with HERMES (or H2SVC) and answer questions; returns the records (also passed
     to `on_record` as they come).
 
@@ -183,6 +189,8 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
                    `hermes.profile_cli`; None: the unprofiled default map, with a warning).
     device, dtype: used when `model` is a path (default: cuda if available; bfloat16 on cuda, float32 on cpu).
     progress:      a tqdm bar on stderr with each chunk's latency and the cache size.
+    tp:            tensor parallelism over the N processes torchrun started (docs/multi-gpu.md#launch): every rank
+                   calls `run` alike and gets the same records (cache_bytes: its own share).
 
     Records: {"type": "chunk", "index", "frames", "start", "end", "sources", "prepare_ms", "latency_ms",
     "compressed", "cache_length", "cache_capacity", "positions", "steps", "cache_bytes"} per chunk (times in
@@ -194,10 +202,10 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     from tqdm import tqdm
 
     check = check_run(model, video, ask_at=ask_at, fps=fps, chunk_frames=chunk_frames, budget=budget, policy=policy,
-                      head_map=head_map, device=device, dtype=dtype, max_new_tokens=max_new_tokens)
+                      head_map=head_map, device=device, dtype=dtype, max_new_tokens=max_new_tokens, tp=tp)
     fps = float(as_fraction(fps, "fps"))
     loaded = model if isinstance(model, LoadedModel) else load_model(model, check.device, check.dtype,
-                                                                      processor=check.processor)
+                                                                      processor=check.processor, tp=check.tp)
     records: list[dict] = []
 
     def emit(record: dict) -> None:
@@ -279,6 +287,8 @@ def parser() -> argparse.ArgumentParser:
          "with neither, questions are read from stdin, one a line, until an empty line or end of input.",
          "Output: answers on stdout (with --json one JSON record per chunk and per answer); progress on stderr. Exit "
          "status 0; 1 on an error (one line on stderr); 2 for a bad command line.",
+         "Several GPUs: torchrun --nproc-per-node N -m hermes --tp N ... splits every attention's heads over N "
+         "processes (tensor parallelism); the first prints, the others stay silent.",
          "Example:\n  hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
          "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""],
         "local checkpoint folder (config.json, weights, tokenizer, processor configs) of a llava_onevision, "
@@ -302,6 +312,9 @@ def parser() -> argparse.ArgumentParser:
                    help="--policy h2svc: head map from hermes-profile (checked against "
                         "the model); default: the unprofiled depth-order map, with a warning")
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest answer in tokens (default 64)")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism over the N processes torchrun started (torchrun --nproc-per-node N -m "
+                        "hermes --tp N ...): each holds 1/N of every layer's heads; N must divide the KV heads")
     p.add_argument("--json", action="store_true",
                    help="one JSON record per line on stdout: {\"type\": \"chunk\", ...} per chunk, "
                         "{\"type\": \"answer\", ...} per answer")
@@ -324,9 +337,18 @@ def _print_record(record: dict, as_json: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, `run`, print; returns the exit status."""
     args = parser().parse_args(argv)
-    questions = args.question or (terminal_questions() if not args.ask_at else ())
-    return run_main(args, lambda: run(
-        args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps, chunk_frames=args.chunk_frames,
-        budget=args.budget, policy=args.policy, head_map=args.head_map, device=args.device, dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens, on_record=lambda record: _print_record(record, args.json),
-        progress=not args.quiet))
+    # under torchrun every rank runs the same calls; the first prints, the others are silent
+    rank = int(os.environ.get("RANK", "0")) if (args.tp or 1) > 1 else 0
+
+    def body() -> None:
+        if (args.tp or 1) > 1 and not (args.question or args.ask_at):
+            raise UsageError("question: under --tp pass the questions with --question or --ask-at (standard input "
+                             "reaches one process only)")
+        questions = args.question or (terminal_questions() if not args.ask_at else ())
+        run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
+            chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, head_map=args.head_map,
+            device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+            on_record=(lambda record: _print_record(record, args.json)) if rank == 0 else None,
+            progress=not args.quiet and rank == 0, tp=args.tp)
+
+    return run_main(args, body, rank)

@@ -1,6 +1,7 @@
 """What both command-line tools share (`hermes`, `hermes-profile`): one parser scaffold (`command_parser`), the error
 contract (`run_command`: one line on stderr; exit status 2 for a `UsageError`, 1 for an input that cannot be read or
-any other failure, 130 on Ctrl-C) and loading a local checkpoint (docs/cli.md).
+any other failure, 130 on Ctrl-C), loading a local checkpoint (docs/cli.md) and the checks of a run over several
+processes under torchrun (`check_tp`, `tp_device`, `check_tp_model`: docs/multi-gpu.md#launch).
 
 Checkpoints are a trust boundary: `check_checkpoint`, `load_processor` and `load_model` are the one place a
 checkpoint is read, from local files only and never running code shipped with it (`LOCAL_ONLY`);
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
 import os
 import pickle
 import sys
@@ -119,37 +121,99 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     raise ValueError(f"dtype: expected auto or one of {sorted(DTYPES)}, got {dtype!r}")
 
 
+def check_tp(tp: int | None, command: str = "hermes") -> int:
+    """The tensor-parallel degree of this run (1 without `tp`), checked against the processes torchrun started
+    (RANK, LOCAL_RANK, WORLD_SIZE) before anything loads: `tp` N > 1 needs N processes of one process group, and
+    several processes need `tp` equal to their count. UsageError naming tp."""
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+        raise UsageError(f"tp: expected an int >= 1, got {tp!r}")
+    tp = tp or 1
+    launched = all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    world = int(os.environ["WORLD_SIZE"]) if launched else 1
+    if tp > 1 and not launched:
+        raise UsageError(f"tp: --tp {tp} needs {tp} processes in one process group: launch with torchrun "
+                         f"--nproc-per-node {tp} -m {command} --tp {tp} ...")
+    if world != tp:
+        raise UsageError(f"tp: torchrun started {world} processes and --tp is {tp}; they must be equal")
+    if tp > 1 and importlib.util.find_spec("accelerate") is None:
+        raise UsageError("tp: transformers' tensor parallelism needs the accelerate package (pip install "
+                         "'hermes-kernels[model]')")
+    return tp
+
+
+def tp_device(device: str | torch.device | None) -> torch.device:
+    """This rank's device under tensor parallelism: transformers places every rank's shards on cuda:LOCAL_RANK when
+    torch sees CUDA, else on the CPU. `device` may name the same type only (no index). ValueError otherwise."""
+    local = int(os.environ["LOCAL_RANK"])
+    if not torch.cuda.is_available():
+        target = torch.device("cpu")
+    elif local < torch.cuda.device_count():
+        target = torch.device("cuda", local)
+    else:
+        raise ValueError(f"device: rank with LOCAL_RANK={local} has no GPU (torch sees "
+                         f"{torch.cuda.device_count()}); start at most that many processes per node")
+    if device is not None:
+        asked = resolve_device(device)
+        if asked.type != target.type or asked.index is not None:
+            where = "cuda:LOCAL_RANK" if target.type == "cuda" else "cpu"
+            raise ValueError(f"device: under --tp every rank runs on {where} (where transformers puts its shards); got "
+                             f"--device {device}")
+    return target
+
+
+def check_tp_model(config, family, tp: int) -> None:
+    """A checkpoint's config.json against `tp` > 1, before any weights load: the family's attention must be split
+    by transformers' plan (`ModelFamily.tp_refusal`), and tp must divide its query and KV heads. UsageError."""
+    if family.tp_refusal is not None:
+        raise UsageError(f"tp: {family.name} under tensor parallelism is not supported: {family.tp_refusal}")
+    text = config.get_text_config()
+    for what, count in (("KV", text.num_key_value_heads), ("query", text.num_attention_heads)):
+        if count % tp:
+            raise UsageError(f"tp: the model's {count} {what} heads per layer do not split evenly over --tp {tp}; "
+                             f"pick a tp that divides {count}")
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
-               dtype: str | torch.dtype = "auto", processor=None) -> LoadedModel:
+               dtype: str | torch.dtype = "auto", processor=None, tp: int | None = None) -> LoadedModel:
     """Load a local checkpoint folder: its family from config.json's model_type (checked before any weights
     load), the model with `AutoModelForImageTextToText` (`weights_options`), the processor with `load_processor`
-    (or the one given)."""
+    (or the one given). `tp` N > 1 (under torchrun, N processes): `DistributedConfig(tp_size=N)`, every rank
+    holding its share of the heads on `tp_device` (docs/multi-gpu.md#launch)."""
     from transformers import AutoModelForImageTextToText
 
     path = os.fspath(path)
-    _, family = check_checkpoint(path)
-    device = usage(lambda: resolve_device(device))
+    config, family = check_checkpoint(path)
+    tp = tp or 1
+    if tp > 1:
+        check_tp(tp)
+        check_tp_model(config, family, tp)
+    device = usage(lambda: resolve_device(device) if tp == 1 else tp_device(device))
     dtype = usage(lambda: resolve_dtype(dtype, device))
+    parallel = {}
+    if tp > 1:
+        from transformers import DistributedConfig
+        parallel = {"distributed_config": DistributedConfig(tp_size=tp)}
     try:
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **weights_options(path))
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **parallel, **weights_options(path))
     except pickle.UnpicklingError as err:  # torch's advice would be to unpickle in full: not a way out here
         raise ValueError(f"model: the pickled weights in {path} hold objects other than tensors, which are never "
                          f"unpickled (torch's weights-only unpickler refused them); save the weights as "
                          f"safetensors") from err
-    model = model.to(device).eval()
+    model = (model if tp > 1 else model.to(device)).eval()  # tensor parallelism placed every shard already
     processor = load_processor(path, family) if processor is None else processor
     return LoadedModel(model=model, processor=processor, family=family, path=path, device=device)
 
 
-def run_command(body: Callable[[], None], show_traceback: bool = False) -> int:
+def run_command(body: Callable[[], None], show_traceback: bool = False, rank: int = 0) -> int:
     """Run a command's `body` under the commands' error contract and return the exit status: 0 when it returns;
     a `UsageError` printed as one line `error: ...` on stderr and 2; another error a user can fix (ValueError,
     OSError, ImportError, out of memory) as one line and 1; any other exception as one internal-error line and 1;
     130 on Ctrl-C. Warnings print as one line `warning: ...` on stderr. With show_traceback the exception
-    propagates instead (--traceback)."""
+    propagates instead (--traceback). `rank` > 0 (a rank of a run under torchrun other than the first): no
+    warnings, no usage errors (every rank finds them alike; rank 0 prints them), other errors prefixed `rank N:`."""
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = _one_line_warning
+            warnings.showwarning = _one_line_warning if rank == 0 else _no_warning
             body()
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -160,9 +224,14 @@ def run_command(body: Callable[[], None], show_traceback: bool = False) -> int:
         message = " ".join(str(err).split()) or type(err).__name__
         if not isinstance(err, (ValueError, OSError, ImportError, torch.OutOfMemoryError)):
             message = f"internal error ({type(err).__name__}: {message}); rerun with --traceback for details"
-        print(f"error: {message}", file=sys.stderr)
+        if rank == 0 or not isinstance(err, UsageError):
+            print(f"error: {'' if rank == 0 else f'rank {rank}: '}{message}", file=sys.stderr)
         return 2 if isinstance(err, UsageError) else 1
     return 0
+
+
+def _no_warning(*args, **kwargs) -> None:
+    """`warnings.showwarning` of ranks other than the first: rank 0 shows every warning once."""
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -190,15 +259,16 @@ def command_parser(prog: str, description: str, epilog: Sequence[str], model_hel
     return p
 
 
-def run_main(args: argparse.Namespace, body: Callable[[], None]) -> int:
-    """Run a command's `body` for parsed `args` under the error contract (`run_command`): transformers' load-time
-    notices silenced (and its progress bars with --quiet), --threads checked and applied first."""
+def run_main(args: argparse.Namespace, body: Callable[[], None], rank: int = 0) -> int:
+    """Run a command's `body` for parsed `args` under the error contract (`run_command`, with this process's
+    `rank` under torchrun): transformers' load-time notices silenced (and its progress bars with --quiet or on a
+    rank other than the first), --threads checked and applied first."""
     from transformers.utils import logging as transformers_logging
 
     from hermes_kernels.checks import check_positive_int
 
     transformers_logging.set_verbosity_error()  # load-time notices would bury the progress bars and the output
-    if args.quiet:
+    if args.quiet or rank:
         transformers_logging.disable_progress_bar()
 
     def command() -> None:
@@ -206,4 +276,4 @@ def run_main(args: argparse.Namespace, body: Callable[[], None]) -> int:
             torch.set_num_threads(usage(lambda: check_positive_int("threads", args.threads)))
         body()
 
-    return run_command(command, args.traceback)
+    return run_command(command, args.traceback, rank)

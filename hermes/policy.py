@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 import torch
 
 from hermes.models import ModelFamily, family_of
+from hermes.parallel import HeadShard, head_shard
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.dispatch import check_backend
 from hermes_kernels.geometry import ModelGeometry
@@ -55,7 +56,10 @@ class StreamSetup:
                    the processed frames, or None.
     prefix_ids:    the system prefix's token ids (P = prefix_len of them, never evicted).
     backend:       "auto" | "triton" | "torch": the backend of the policy's kernels.
-    geometry:      the model's `hermes_kernels.geometry.ModelGeometry`.
+    geometry:      the model's `hermes_kernels.geometry.ModelGeometry`; under tensor parallelism with this rank's head
+                   counts (what its caches hold).
+    shard:         this rank's `hermes.parallel.HeadShard` of a model loaded with `DistributedConfig(tp_size=N)`,
+                   else None (docs/multi-gpu.md).
     dtype:         keys' and values' storage dtype (the model's); inv_freq: [D/2] rotary inverse frequencies taken
                    from the model's rotary module (never recomputed); layer_devices: the device of every layer.
     """
@@ -75,6 +79,7 @@ class StreamSetup:
     dtype: torch.dtype
     inv_freq: torch.Tensor
     layer_devices: tuple[torch.device, ...]
+    shard: HeadShard | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -96,17 +101,20 @@ class StreamSetup:
             check_positive_int(name, value)
         check_backend(backend)
         language_model = family.language_model(model)
+        shard = head_shard(model, family, language_model)  # tensor parallelism the stream cannot run: refused first
         prefix_ids = tuple(tokenizer(family.prefix_text(system_prompt), add_special_tokens=False)["input_ids"])
         if chunk_tokens is None:
             chunk_tokens = family.tokens_per_chunk(model, chunk_frames, frame_size, tokenizer=tokenizer)
         check_positive_int("chunk_tokens", chunk_tokens)
         layers = language_model.layers
         inv_freq, _ = family.rotary(model)
+        geometry = geometry_of(model, family)
         return cls(model=model, processor=processor, tokenizer=tokenizer, family=family,
                    language_model=language_model, batch_size=batch_size, chunk_tokens=chunk_tokens, room=room,
                    frame_size=frame_size, prefix_ids=prefix_ids, backend=backend,
-                   geometry=geometry_of(model, family), dtype=layers[0].self_attn.k_proj.weight.dtype,
-                   inv_freq=inv_freq, layer_devices=tuple(layer.self_attn.k_proj.weight.device for layer in layers))
+                   geometry=geometry if shard is None else shard.local(geometry),
+                   dtype=layers[0].self_attn.k_proj.weight.dtype, inv_freq=inv_freq,
+                   layer_devices=tuple(layer.self_attn.k_proj.weight.device for layer in layers), shard=shard)
 
 
 class StreamPolicy:

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Sequence
 
-from hermes.commands import check_checkpoint, command_parser, load_model, resolve_device, run_main, usage
+from hermes.commands import UsageError, check_checkpoint, command_parser, load_model, resolve_device, run_main, usage
 from hermes.policies.h2svc.head_map import HeadProfile, save_head_map
 from hermes.policies.h2svc.profile import DEFAULT_QUESTIONS, check_inputs, profile_heads
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES
@@ -42,6 +42,8 @@ def parser():
     p.add_argument("--instant-ratio", type=float, default=0.1, help="share of instant heads (default 0.1)")
     p.add_argument("--short-ratio", type=float, default=0.4, help="share of short heads (default 0.4); episodic "
                                                                   "heads are the rest")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="refused: the profiler runs in one process (it ranks every head of every layer together)")
     return p
 
 
@@ -64,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     questions = args.question or DEFAULT_QUESTIONS
 
     def body() -> None:
+        if (args.tp or 1) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UsageError("tp: hermes-profile runs in one process (it ranks every head of every layer together); "
+                             "run it without torchrun and without --tp")
         usage(lambda: resolve_device(args.device))
         check_checkpoint(args.model)
         check_inputs(args.videos, fps=args.fps, chunk_frames=args.chunk_frames, questions=questions,

@@ -10,7 +10,8 @@
 One class for every policy: it builds the `StreamSetup` the policy is constructed from (docs/policies.md#setup),
 encodes chunks, checks room, makes every call all-or-nothing, asks questions (a ragged batch left-padded, the
 padding hidden), serves streams on several threads and resets; the policy holds the config, the cache and what
-follows a chunk's prefill. What fails how: docs/stream.md#both-policies.
+follows a chunk's prefill. What fails how: docs/stream.md#both-policies; under tensor parallelism (a model loaded with
+`DistributedConfig(tp_size=N)`, every rank making the same calls): docs/multi-gpu.md.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from hermes.attention import patch_model
 from hermes.cache import StreamCacheBase
+from hermes.parallel import RankGuard
 from hermes.policy import StreamPolicy, StreamSetup, get_policy
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.dispatch import check_backend
@@ -62,6 +64,7 @@ class HermesStream:
         self.cache: StreamCacheBase = self.policy.cache
         self.last_convs: list[str | None] = [None] * batch_size
         self.last_step: Any = None
+        self._ranks = RankGuard(self.setup.shard)  # tensor parallelism: refuse calls once ranks may be out of step
         patch_model(model)
         self.reset()
 
@@ -92,11 +95,12 @@ class HermesStream:
     def reset(self) -> None:
         """Start a new video: empty cache (same buffers), no history, the prefix prefilled again. Also the way out
         of an `undefined` cache."""
+        self._ranks.check()
         self.cache.reset()
         self.last_convs = [None] * self.batch_size
         self.last_step = None
         ids = torch.tensor([self.prefix_ids] * self.batch_size, device=self._device())
-        with torch.no_grad(), self.cache.forward_context():
+        with torch.no_grad(), self._ranks.call(), self.cache.forward_context():
             self.language_model(input_ids=ids, position_ids=self.cache.default_position_ids(ids.shape[1]),
                                 cache=self.cache, use_cache=True)
 
@@ -111,7 +115,7 @@ class HermesStream:
         module docstring.
         """
         self._check_usable()
-        with torch.no_grad():
+        with torch.no_grad(), self._ranks.call():
             chunk = self.family.encode_video(self.model, self.processor, video, self.batch_size, **kwargs)
             count = chunk.embeds.shape[1]
             if count > self.chunk_tokens:
@@ -127,7 +131,8 @@ class HermesStream:
         """Answer from the cache through `model.generate`; the cache keeps only the video afterwards.
 
         question: one string for every stream, or one per stream (any token lengths). Returns a string
-        (batch_size 1) or one string per stream. Greedy unless generate_kwargs say otherwise.
+        (batch_size 1) or one string per stream. Greedy unless generate_kwargs say otherwise (under tensor
+        parallelism always greedy: do_sample=True is refused).
         """
         self._check_usable()
         questions, ids, pads = self._question_ids(question)
@@ -142,7 +147,7 @@ class HermesStream:
         self._check_usable()
         _, ids, pads = self._question_ids(question)
         self.check_room(ids.shape[1])
-        with torch.no_grad(), self.cache.atomic(), \
+        with torch.no_grad(), self._ranks.call(), self.cache.atomic(), \
                 self.cache.forward_context(self._padded_offsets(ids, pads), read_only=True, left_padding=pads):
             out = self.model(input_ids=ids, position_ids=self.cache.default_position_ids(ids.shape[1]),
                              cache=self.cache, use_cache=True, logits_to_keep=1, **self.family.text_kwargs(ids))
@@ -152,7 +157,7 @@ class HermesStream:
         """Pooled guidance attention float32 [L, B, V] over the current cache (read-only), for `layers`
         (default: the layers the policy reads). A copy; the cache is unchanged. HERMES only."""
         self._check_usable()
-        with torch.no_grad(), self.cache.atomic():
+        with torch.no_grad(), self._ranks.call(), self.cache.atomic():
             return self.policy.guidance_scores(layers, tuple(self.last_convs))
 
     def stats(self) -> dict:
@@ -177,6 +182,7 @@ class HermesStream:
         return self.tokenizer.eos_token_id if pad is None else pad
 
     def _check_usable(self) -> None:
+        self._ranks.check()
         if self.cache.undefined:
             raise RuntimeError("stream: a failure inside a compression step left the cache undefined (its video "
                                "memory is lost); call reset()")
@@ -216,6 +222,9 @@ class HermesStream:
         for name in ("num_beams", "num_return_sequences"):
             if generate_kwargs.get(name, 1) != 1:
                 raise ValueError(f"{name}: the streams are fixed in lockstep; only 1 is supported")
+        if self.setup.shard is not None and generate_kwargs.get("do_sample"):
+            raise ValueError("do_sample: under tensor parallelism every rank must pick the same tokens; sampling is "
+                             "not supported, answers are greedy")
         self.check_room(ids.shape[1] + max_new_tokens)
         length = self.cache.length
         total = length + ids.shape[1]
@@ -225,7 +234,7 @@ class HermesStream:
         generate_kwargs.setdefault("pad_token_id", self._pad_id())
         if self.tokenizer.eos_token_id is not None:
             generate_kwargs.setdefault("eos_token_id", self.tokenizer.eos_token_id)
-        with torch.no_grad(), self.cache.atomic():
+        with torch.no_grad(), self._ranks.call(), self.cache.atomic():
             with self.cache.forward_context(self._padded_offsets(ids, pads), left_padding=pads):
                 out = self.model.generate(
                     input_ids=ids, attention_mask=torch.ones(ids.shape[0], total, dtype=torch.long,

@@ -144,3 +144,10 @@ def check_rotary(inv_freq, rotary: Sequence[int] | RotaryLayout | None, head_dim
         raise ValueError(f"inv_freq: expected [R/2={layout.pairs}] for {layout.describe()} (head dim D={head_dim}), "
                          f"got {tuple(inv_freq.shape)}")
     return layout
+
+
+def check_group(group) -> None:
+    """`group`: None (one process) or a `torch.distributed` process group (tensor parallelism); TypeError naming it
+    otherwise."""
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")

@@ -3,7 +3,9 @@
 Nothing is downloaded. The models keep the real architectures (Qwen2 / Qwen2.5-VL / Qwen3-VL decoders with GQA,
 SigLIP / Qwen vision towers, Qwen3-VL's DeepStack mergers) at toy sizes so a forward takes milliseconds on CPU.
 Weights are drawn with a larger initializer range than the default 0.02 so attention is far from uniform and
-guidance scores are well separated (selection then does not hinge on rounding).
+guidance scores are well separated (selection then does not hinge on rounding). Under tensor parallelism each rank
+holds an equal share of the heads, so a tiny model's KV heads must be a multiple of the rank count: 2 ranks for the
+defaults (4 heads, 2 KV heads), 4 for `tiny_llava_ov(num_heads=8, num_kv_heads=4)` (docs/multi-gpu.md#tested).
 """
 from __future__ import annotations
 

@@ -153,6 +153,9 @@ class ModelFamily(abc.ABC):
     # ChatML text right before the first chunk and right before the question (the video's markers)
     before_video: ClassVar[str] = ""
     after_video: ClassVar[str] = ""
+    # why streams refuse the family under tensor parallelism, or None when transformers' plan for it splits every
+    # attention's heads over the ranks (docs/multi-gpu.md#families)
+    tp_refusal: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -114,6 +114,9 @@ class Qwen3_VL(Qwen2_5_VL):
     preset_name = "qwen3_vl"
     pil_processor = Qwen3VLPilVideoProcessor
     before_video = after_video = ""
+    tp_refusal = ("transformers 5.24's tensor-parallel plan for Qwen3-VL shards its embeddings only, so every rank "
+                  "would hold and compute every attention head; run it in one process or split its layers over GPUs "
+                  "with device_map")
 
     def rotary(self, model):
         rotary = self.language_model(model).rotary_emb

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import dataclasses
+
 import torch
 
+from ..checks import check_group
 from ..dispatch import check_backend
 from ..policies.hermes.config import HermesConfig
 from .caches import IncompatibleInstance
@@ -38,9 +41,9 @@ class Accelerated(GuidancePass, CompressionStep):
     leaving a `with` block). `stats` counts guidance passes run and skipped, selections and shrinks."""
 
     def __init__(self, model: Any, kind: str, backend: str, guidance: str, parts: tuple[str, ...],
-                 schedule: ReleasedSchedule, lm: LMParts, contiguous: bool):
+                 schedule: ReleasedSchedule, lm: LMParts, contiguous: bool, group=None):
         self.model, self.kind, self.backend, self.guidance = model, kind, backend, guidance
-        self.parts, self.schedule, self.contiguous = parts, schedule, contiguous
+        self.parts, self.schedule, self.contiguous, self.group = parts, schedule, contiguous, group
         self._lm = lm
         self._configs: dict = {}
         self._inv_freq: dict = {}
@@ -126,7 +129,7 @@ _MISSING = _Missing()
 
 def accelerate(model: Any, *, backend: str = "auto", guidance: str = "released", kind: str = "auto",
                parts: Sequence[str] = PARTS, schedule: ReleasedSchedule | None = None,
-               contiguous: bool = False) -> Accelerated:
+               contiguous: bool = False, group=None) -> Accelerated:
     """Speed up one instance of the released HERMES classes (or of a fork keeping their attributes) in place.
 
     model: the instance (`LlavaOneVision_Hermes`, `QwenVL_Hermes` or alike) — only its attributes are read.
@@ -141,11 +144,16 @@ def accelerate(model: Any, *, backend: str = "auto", guidance: str = "released",
     schedule: the selection constants (default `SCHEDULES[kind]`).
     contiguous: hand back contiguous per-layer tensors (one copy of the kept cache) instead of views of the first
         `length` slots of the compacted ones.
+    group: None (one process), or the `torch.distributed` process group of an instance run under tensor
+        parallelism: each rank's cache and projections hold its equal share of the heads (the config's counts over
+        the group's size); each rank's pooled attention is averaged over the group by one all-reduce before the
+        selection, so every rank keeps the same tokens (docs/multi-gpu.md#what-crosses).
 
     Every attribute is checked before anything is replaced: an incompatible instance raises IncompatibleInstance
     naming what is missing. Returns the `Accelerated` handle; `handle.restore()` puts the original methods back.
     """
     check_backend(backend)
+    check_group(group)
     if guidance not in GUIDANCE_MODES:
         raise ValueError(f"guidance: expected one of {GUIDANCE_MODES}, got {guidance!r}")
     if kind == "auto":
@@ -165,7 +173,12 @@ def accelerate(model: Any, *, backend: str = "auto", guidance: str = "released",
     if problems:
         raise IncompatibleInstance(f"accelerate: the {type(model).__name__} instance lacks what the released HERMES "
                                    f"classes have: " + "; ".join(problems))
-    handle = Accelerated(model, kind, backend, guidance, parts, schedule, lm, contiguous)
+    if group is not None:  # this rank's share of the heads: the config's counts are the whole model's
+        if lm.heads % group.size() or lm.kv_heads % group.size():
+            raise IncompatibleInstance(f"accelerate: {lm.heads} query and {lm.kv_heads} KV heads do not split evenly "
+                                       f"over the group's {group.size()} ranks")
+        lm = dataclasses.replace(lm, heads=lm.heads // group.size(), kv_heads=lm.kv_heads // group.size())
+    handle = Accelerated(model, kind, backend, guidance, parts, schedule, lm, contiguous, group)
     handle.config(model.kv_size)  # a bad budget or prefix for HermesConfig fails here, before any replacement
     handle._install()
     return handle

@@ -38,13 +38,14 @@ class KeepIndices(list):
 
 class CompressionStep:
     """The selection and the shrink of `Accelerated` (handle.py), which mixes them in; they read the handle's
-    `model`, `kind`, `backend`, `contiguous`, `schedule`, `stats`, `_lm`, `config()` and `_freq()`."""
+    `model`, `kind`, `backend`, `group`, `contiguous`, `schedule`, `stats`, `_lm`, `config()` and `_freq()`."""
 
     # -- the selection ------------------------------------------------------------------------------------------
 
     def select(self, attn: torch.Tensor, budget: int) -> KeepIndices:
         """Keep indices from pooled visual attention float32 [L, 1, V] at `budget` (as `guidance_attention` gives
-        it): `hermes_scores` and `select_keep` once for all layers, in the released selection's format."""
+        it): `hermes_scores` and `select_keep` once for all layers, in the released selection's format. Under a
+        `group`, attn is this rank's share (its heads) and `hermes_scores` averages it over the ranks."""
         m = self.model
         P = m.visual_start_idx
         allocate = getattr(m, "allocate_budget_by_depth", None)
@@ -54,7 +55,7 @@ class CompressionStep:
                 raise IncompatibleInstance(f"allocate_budget_by_depth gives per-layer budgets {budgets}; the adapter "
                                            f"runs the released uniform allocation ({budget} per layer) only")
         cfg = self.config(budget, P)
-        scores = ops.hermes_scores(attn, cfg, backend=self.backend)
+        scores = ops.hermes_scores(attn, cfg, backend=self.backend, group=self.group)
         keep = ops.select_keep(scores, cfg, backend=self.backend)
         V = attn.shape[-1]
         prefix = torch.arange(P, device=keep.device, dtype=torch.int64)

@@ -45,7 +45,8 @@ import torch
 
 import hermes_kernels as hk
 from hermes.cache import Forward, StreamCacheBase, layer_runs
-from hermes_kernels.checks import check_positive_int
+from hermes.parallel import refusing_ranks
+from hermes_kernels.checks import check_group, check_positive_int, read_contents
 from hermes_kernels.dispatch import check_backend
 from hermes_kernels.dtypes import CACHE_DTYPES
 from hermes_kernels.policies.h2svc.checks import check_h2svc_step
@@ -109,12 +110,18 @@ class H2SVCCache(StreamCacheBase):
                         for 1D RoPE; stored as the `RotaryLayout` (`self.rotary`, 1D included).
         layer_devices:  the device of every layer (default: inv_freq's); stack_bounds: extra block boundaries
                         between layers on one device (lays out a device split on one device; same results).
+        classes:        the classes whose host counters run (default: those with heads in cfg). Under tensor
+                        parallelism, those of the whole model's map: a rank whose columns hold no head of a class
+                        still counts its frames, so the lengths, room and positions of every rank agree.
+        group:          under tensor parallelism, the `torch.distributed` process group of the ranks holding the
+                        model's other heads (cfg's map is this rank's columns); None in one process.
     """
 
     def __init__(self, cfg: H2SVCConfig, *, batch_size: int, num_heads: int, head_dim: int, chunk_frames: int,
                  room: int, dtype: torch.dtype, inv_freq: torch.Tensor,
                  rotary: Sequence[int] | RotaryLayout | None = None,
-                 layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
+                 layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
+                 classes: Sequence[int] | None = None, group=None):
         if not isinstance(cfg, H2SVCConfig):
             raise TypeError(f"cfg: expected an H2SVCConfig, got {type(cfg).__name__}")
         runs = layer_runs(cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=head_dim,
@@ -122,6 +129,7 @@ class H2SVCCache(StreamCacheBase):
                           stack_bounds=stack_bounds)
         for name, value in (("num_heads", num_heads), ("chunk_frames", chunk_frames), ("room", room)):
             check_positive_int(name, value)
+        check_group(group)
         if num_heads % cfg.num_kv_heads:
             raise ValueError(f"num_heads: {num_heads} query heads do not form GQA groups over "
                              f"{cfg.num_kv_heads} KV heads")
@@ -130,11 +138,16 @@ class H2SVCCache(StreamCacheBase):
         super().__init__(num_layers=cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads,
                          head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=ClassCounters())
         self.cfg = cfg
+        self.group = group
         self.num_heads = num_heads
         self.dtype = dtype
         self.chunk_frames = chunk_frames
         self.capacities = tuple(class_capacity(cfg, c, chunk_frames, room) for c in CLASSES)
-        self.classes = tuple(c for c in CLASSES if cfg.num_rows(c))  # the non-empty classes
+        present = tuple(c for c in CLASSES if cfg.num_rows(c))
+        if classes is not None and not set(present) <= set(classes) <= set(CLASSES):
+            raise ValueError(f"classes: expected classes of {CLASSES} including those with heads here {present}, got "
+                             f"{classes!r}")
+        self.classes = present if classes is None else tuple(c for c in CLASSES if c in set(classes))
         self.blocks = allocate_blocks(cfg, runs, self.classes, self.capacities, batch_size=batch_size,
                                       head_dim=head_dim, dtype=dtype, mrope=self.mrope, inv_freq=inv_freq,
                                       allocate=self.allocate)
@@ -389,7 +402,11 @@ class H2SVCCache(StreamCacheBase):
         sets, the slot plan, and the right-aligned re-index when `cfg.needs_reindex` says so (module docstring).
 
         Every block is checked before the first one is written (ValueError/TypeError, cache untouched); an
-        exception after that leaves the cache `undefined`.
+        exception after that leaves the cache `undefined`. Under tensor parallelism (`group`), where the checks read
+        the blocks' contents (CPU tensors; `read_contents`), a rank's verdict may differ from the others' (a
+        non-finite value in its heads only), so the ranks agree first (`hermes.parallel.refusing_ranks`, one
+        all-reduce of a flag per rank): one refusal, and every rank refuses with its cache untouched
+        (docs/multi-gpu.md#failures).
         """
         self._check_defined()
         n = self.counters
@@ -405,13 +422,23 @@ class H2SVCCache(StreamCacheBase):
         next_position = cfg.prefix_len + max(held_after[c] for c in self.classes) * cfg.tokens_per_frame
         clock = StreamClock(held=0, num_frames=F, first_frame=first, reindexed=torch.tensor(reindex),
                             next_position=next_position)
-        calls = []
-        for block in self.blocks:
-            args = (block.keys, block.values, block.positions, block.slot_frames, cfg, block.cls, block.inv_freq,
-                    self.rotary)
-            block_clock = clock.at(n.held[block.cls])
-            check_h2svc_step(*args, block_clock, block.features)
-            calls.append((args, block_clock, block.features))
+        calls, refusal = [], None
+        try:
+            for block in self.blocks:
+                args = (block.keys, block.values, block.positions, block.slot_frames, cfg, block.cls,
+                        block.inv_freq, self.rotary)
+                block_clock = clock.at(n.held[block.cls])
+                check_h2svc_step(*args, block_clock, block.features)
+                calls.append((args, block_clock, block.features))
+        except (ValueError, TypeError) as error:
+            refusal = error
+        if self.group is not None and read_contents(None, self.blocks[0].values):
+            refused = refusing_ranks(self.group, refusal is not None, self.blocks[0].device)
+            if refused and refusal is None:
+                refusal = ValueError(f"step: rank(s) {refused} refused the arriving frames of their heads; every "
+                                     f"rank refuses the step (its cache as before the chunk)")
+        if refusal is not None:
+            raise refusal
         after = dataclasses.replace(n, held=held_after, arrived=0, pending_extent=0, frames_seen=first + F,
                                     next_position=next_position if reindex else largest + 1)
 

@@ -7,7 +7,8 @@
 `H2SVCPolicy` is the entry of the policy registry (`hermes.policy`) for "h2svc": it builds the `H2SVCConfig` (the
 family's preset, a head map, window / ratio / re-index overrides), the `H2SVCCache` sized for the stream's chunks and
 room, and what follows a chunk: its prefill as a chunk of frames, then `cache.step`. Everything else (encoding, room
-checks, atomicity, questions, threads) is the front's, shared with HERMES.
+checks, atomicity, questions, threads) is the front's, shared with HERMES. Under tensor parallelism the head map stays
+the whole model's (layer, KV head) map and each rank's cache takes its columns (docs/multi-gpu.md#h2svc).
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import warnings
 
 from hermes.cache import prefill
 from hermes.models import VideoChunk
+from hermes.parallel import HeadShard
 from hermes.policy import StreamPolicy, StreamSetup, register_policy
 from hermes_kernels.policies.h2svc.config import H2SVCConfig
 from hermes_kernels.results import H2SVCChunkResult
 
+from .blocks import CLASSES
 from .cache import H2SVCCache
 from .head_map import HeadProfile, check_head_map, load_head_map
 
@@ -36,6 +39,7 @@ class H2SVCPolicy(StreamPolicy):
                           - an int [L, Hkv] map (tensor or nested lists) of INSTANT / SHORT / EPISODIC;
                           - an `H2SVCConfig` for the whole policy (then no other policy argument; its layers, KV
                             heads, prefix_len and tokens_per_frame must match the model and the stream);
+                          always of the whole model: under tensor parallelism each rank takes its KV heads' columns.
                           - None: the documented default map (`default_head_map`: depth order with the paper's ratios),
                             with a warning that it is not profiled.
         tokens_per_frame: T_f; default from the family (LLaVA-OV: the tower's pooled grid; Qwen2.5-VL: from the
@@ -49,7 +53,8 @@ class H2SVCPolicy(StreamPolicy):
 
     def __init__(self, setup: StreamSetup, *, head_map=None, tokens_per_frame: int | None = None, **overrides):
         super().__init__(setup)
-        model, geometry, P = setup.model, setup.geometry, setup.prefix_len
+        model, geometry, P, shard = setup.model, setup.geometry, setup.prefix_len, setup.shard
+        kv_heads = geometry.num_kv_heads if shard is None else shard.num_kv_heads  # the map's: the whole model's
         try:
             frame_tokens = setup.family.tokens_per_frame(model, setup.frame_size, tokenizer=setup.tokenizer)
         except ValueError:  # Qwen-VL without frame_size: tokens_per_frame (or the config) must say it
@@ -58,7 +63,7 @@ class H2SVCPolicy(StreamPolicy):
             if overrides or tokens_per_frame is not None:
                 raise TypeError("head_map: pass an H2SVCConfig alone, or a map with tokens_per_frame / overrides")
             config = head_map
-            expected = (geometry.num_layers, geometry.num_kv_heads, P, frame_tokens or config.tokens_per_frame)
+            expected = (geometry.num_layers, kv_heads, P, frame_tokens or config.tokens_per_frame)
             got = (config.num_layers, config.num_kv_heads, config.prefix_len, config.tokens_per_frame)
             if got != expected:
                 raise ValueError(f"head_map: the H2SVCConfig has (layers, KV heads, prefix_len, tokens_per_frame) = "
@@ -68,7 +73,7 @@ class H2SVCPolicy(StreamPolicy):
                 tokens_per_frame = frame_tokens if frame_tokens is not None else \
                     setup.family.tokens_per_frame(model, setup.frame_size, tokenizer=setup.tokenizer)  # raises
             overrides.setdefault("max_positions", geometry.max_positions)
-            config = H2SVCConfig.preset(setup.family.preset_name, geometry.num_layers, geometry.num_kv_heads, P,
+            config = H2SVCConfig.preset(setup.family.preset_name, geometry.num_layers, kv_heads, P,
                                         tokens_per_frame=tokens_per_frame, head_map=self._head_map(head_map, model),
                                         **overrides)
         if not config.profiled:
@@ -79,11 +84,14 @@ class H2SVCPolicy(StreamPolicy):
         if chunk_frames < 1:
             raise ValueError(f"chunk_tokens: {setup.chunk_tokens} tokens hold no whole frame of "
                              f"tokens_per_frame={config.tokens_per_frame}")
-        self.cfg = config
+        # every rank moves the host counters of the classes of the whole map, held here or not, so all stay in step
+        classes = tuple(c for c in CLASSES if config.num_rows(c))
+        self.cfg = config if shard is None else rank_config(config, shard)
         self.cache = H2SVCCache(
-            config, batch_size=setup.batch_size, num_heads=geometry.num_heads, head_dim=geometry.head_dim,
+            self.cfg, batch_size=setup.batch_size, num_heads=geometry.num_heads, head_dim=geometry.head_dim,
             chunk_frames=chunk_frames, room=setup.room, dtype=setup.dtype, inv_freq=setup.inv_freq,
-            rotary=geometry.rotary, layer_devices=setup.layer_devices)
+            rotary=geometry.rotary, layer_devices=setup.layer_devices, classes=classes,
+            group=None if shard is None else shard.group)
 
     @staticmethod
     def _head_map(head_map, model):
@@ -104,4 +112,11 @@ class H2SVCPolicy(StreamPolicy):
                              f"for frames of tokens_per_frame={T_f} (frame_size)")
         prefill(self.setup.language_model, self.cache, chunk, frames=chunk.frames, extent=chunk.extent)
         return self.cache.step(backend=self.setup.backend)
+
+
+def rank_config(config: H2SVCConfig, shard: HeadShard) -> H2SVCConfig:
+    """This rank's part of a whole-model config: the head map's columns of its KV heads (`shard.kv_heads`), as a
+    config of Hkv/N heads; every other field as given."""
+    heads = shard.kv_heads
+    return config.replace(num_kv_heads=len(heads), head_map=config.head_classes[:, heads.start:heads.stop])
 

@@ -14,10 +14,11 @@ import torch
 
 import hermes_kernels as hk
 from hermes.dense import DenseCache
-from hermes_kernels.checks import check_positive_int
+from hermes_kernels.checks import check_group, check_positive_int
 from hermes_kernels.dispatch import check_backend
-from hermes_kernels.policies.hermes.checks import check_stacks
+from hermes_kernels.policies.hermes.checks import check_attn_finite, check_stacks
 from hermes_kernels.policies.hermes.config import HermesConfig
+from hermes_kernels.policies.hermes.tensor_parallel import group_mean
 from hermes_kernels.results import CompressResult
 from hermes_kernels.rope import RotaryLayout
 
@@ -43,6 +44,8 @@ class HermesCache(DenseCache):
         stack_bounds:   layers at which a new stack starts even though the device does not change (ascending,
                         inside (0, L)); e.g. [2] with 4 layers on one device gives stacks [0, 2) and [2, 4). The
                         results are the same as with one stack; this lays out a `device_map` split on one device.
+        group:          under tensor parallelism, the `torch.distributed` process group of the ranks holding the
+                        model's other heads (this cache holds num_kv_heads of them); None in one process.
     """
 
     step_name = "compression step"
@@ -50,10 +53,12 @@ class HermesCache(DenseCache):
     def __init__(self, cfg: HermesConfig, *, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, inv_freq: torch.Tensor,
                  rotary: Sequence[int] | RotaryLayout | None = None,
-                 layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = ()):
+                 layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
+                 group=None):
         if not isinstance(cfg, HermesConfig):
             raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
         check_positive_int("capacity", capacity)
+        check_group(group)
         if capacity <= cfg.prefix_len + cfg.budget:
             raise ValueError(f"capacity: {capacity} slots leave no room past prefix_len + budget = "
                              f"{cfg.prefix_len + cfg.budget} for a chunk or a question")
@@ -61,6 +66,7 @@ class HermesCache(DenseCache):
                          capacity=capacity, dtype=dtype, inv_freq=inv_freq, rotary=rotary,
                          layer_devices=layer_devices, stack_bounds=stack_bounds)
         self.cfg = cfg
+        self.group = group
         # pooled guidance attention of the running step, written by the attention function (§2.3)
         self.guidance_attn = self.allocate((cfg.num_layers, batch_size, capacity), torch.float32,
                                            self._home_device)
@@ -81,6 +87,9 @@ class HermesCache(DenseCache):
 
         attn: float32 [L, B, V], V = length - prefix_len, pooled guidance attention (e.g. `guidance_attn`), on any
         device. Afterwards the length is prefix_len + min(budget, V) in every layer.
+        Under tensor parallelism (`group`) attn is this rank's share (the mean over its heads), averaged over the
+        group (`hermes_kernels`' `group_mean`, the step's one collective) after the shapes are checked and before
+        its values are, so every rank refuses or steps alike and keeps the same tokens (docs/multi-gpu.md).
 
         Failures: bad input (shape, dtype, backend, non-finite attn) raises ValueError/TypeError before anything is
         written; every stack is unchanged. Inputs are checked here first (`compress_stacks` checks them again) so
@@ -96,7 +105,10 @@ class HermesCache(DenseCache):
         check_backend(backend)
         stacks = [(range(s.first, s.first + s.keys.shape[0]), s.keys[:, :, :, :n], s.values[:, :, :, :n],
                    s.positions[..., :n], s.inv_freq) for s in self._stacks]
-        check_stacks(stacks, attn, self.cfg, self.rotary)
+        check_stacks(stacks, attn, self.cfg, self.rotary, finite=self.group is None)
+        if self.group is not None:
+            attn = group_mean(attn, self.group)
+            check_attn_finite(attn)
 
         def step() -> tuple[CompressResult, bool]:
             result = hk.compress_stacks(stacks, attn, self.cfg, self.rotary, backend=backend)

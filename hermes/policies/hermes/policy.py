@@ -16,6 +16,7 @@ from hermes.cache import prefill
 from hermes.models import VideoChunk
 from hermes.policy import StreamPolicy, StreamSetup, register_policy
 from hermes_kernels.policies.hermes.config import HermesConfig
+from hermes_kernels.policies.hermes.tensor_parallel import group_mean
 from hermes_kernels.results import CompressResult
 
 from .cache import HermesCache
@@ -54,10 +55,12 @@ class HermesPolicy(StreamPolicy):
                              f"(the prefix tokens), got {config.num_layers} and {config.prefix_len}")
         self.cfg = config
         self.fused_guidance = fused_guidance
+        # tensor parallelism: the ranks' pooled attention (each over its own heads) is averaged once per step
+        self.group = None if setup.shard is None else setup.shard.group
         self.cache = HermesCache(
             config, batch_size=setup.batch_size, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
             capacity=config.prefix_len + config.budget + setup.chunk_tokens + setup.room, dtype=setup.dtype,
-            inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices)
+            inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices, group=self.group)
         self.plan = GuidancePlan.from_config(config)
         self._prompt_ids: tuple[tuple, list] | None = None  # (history, its prompts' token ids)
 
@@ -90,8 +93,10 @@ class HermesPolicy(StreamPolicy):
         return cache.compress(attn, backend=setup.backend)
 
     def guidance_scores(self, layers: Sequence[int] | None, history: tuple[str | None, ...]) -> torch.Tensor:
-        """Pooled guidance attention [L, B, V] of a read-only pass over the cache as it is (a copy)."""
+        """Pooled guidance attention [L, B, V] of a read-only pass over the cache as it is (a copy; under tensor
+        parallelism averaged over the ranks, the same on every rank)."""
         plan = self.plan if layers is None else GuidancePlan.from_config(self.cfg, layers)
         ids = plan.token_ids(self.setup.tokenizer, history)
         self.cache.check_room(guidance_length(ids))
-        return run_guidance(self.setup.language_model, self.cache, plan, ids, self.setup.backend).clone()
+        attn = run_guidance(self.setup.language_model, self.cache, plan, ids, self.setup.backend)
+        return attn.clone() if self.group is None else group_mean(attn, self.group)

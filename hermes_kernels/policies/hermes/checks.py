@@ -48,8 +48,10 @@ def check_pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None
         raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
 
 
-def check_attn(attn: torch.Tensor, cfg: HermesConfig, num_visual: int | None = None) -> None:
-    """attn [L, B, V] float32/float64, finite; L = cfg.num_layers; V = num_visual when given."""
+def check_attn(attn: torch.Tensor, cfg: HermesConfig, num_visual: int | None = None, finite: bool = True) -> None:
+    """attn [L, B, V] float32/float64, finite (unless `finite=False`: a rank's share under tensor parallelism, whose
+    values are checked once the ranks' shares are averaged, `check_attn_finite`); L = cfg.num_layers; V = num_visual
+    when given."""
     _config(cfg)
     check_tensor("attn", attn, (3,), SCORE_DTYPES, "[L, B, V] float32")
     L, B, V = attn.shape
@@ -59,6 +61,12 @@ def check_attn(attn: torch.Tensor, cfg: HermesConfig, num_visual: int | None = N
         raise ValueError(f"attn: expected B >= 1 streams and V >= 1 visual tokens, got {tuple(attn.shape)}")
     if num_visual is not None and V != num_visual:
         raise ValueError(f"attn: expected [L, B, V={num_visual}] (V = N - prefix_len), got {tuple(attn.shape)}")
+    if finite:
+        check_attn_finite(attn)
+
+
+def check_attn_finite(attn: torch.Tensor) -> None:
+    """ValueError naming the layers of attn [L, B, V] that hold a non-finite value (one host read)."""
     finite = torch.isfinite(attn).flatten(1).all(dim=1)
     if not bool(finite.all()):
         bad = (~finite).nonzero().flatten().tolist()
@@ -156,25 +164,26 @@ def check_keep(keep: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
                          f"and distinct")
 
 
-def check_compress(keys, values, positions, attn, cfg, inv_freq, rotary) -> RotaryLayout:
+def check_compress(keys, values, positions, attn, cfg, inv_freq, rotary, finite: bool = True) -> RotaryLayout:
     """All checks of one compression step (§3 `compress_step`), before anything is written; returns the rotary
-    layout."""
+    layout. `finite=False` leaves attn's values to `check_attn_finite` (tensor parallelism: after the average)."""
     layout = check_cache(keys, values, positions, cfg, inv_freq, rotary)
-    check_attn(attn, cfg, num_visual=keys.shape[3] - cfg.prefix_len)
+    check_attn(attn, cfg, num_visual=keys.shape[3] - cfg.prefix_len, finite=finite)
     if attn.shape[1] != keys.shape[1]:
         raise ValueError(f"attn: expected [L, B={keys.shape[1]}, V], got {tuple(attn.shape)}")
     check_same_device("attn", attn, "keys", keys)
     return layout
 
 
-def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig,
-                 rotary: Sequence[int] | RotaryLayout | None) -> RotaryLayout:
+def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig, rotary: Sequence[int] | RotaryLayout | None,
+                 finite: bool = True) -> RotaryLayout:
     """All checks of one compression step over a cache split into per-device stacks (§2.6–2.7), before anything
     is written on any device.
 
     stacks: a non-empty sequence of (layers, keys, values, positions, inv_freq); `layers` is a range whose stack
     passes `check_cache`; the ranges follow each other in order and cover [0, L) exactly; every stack has the
-    same [B, Hkv, N, D]. attn: [L, B, N - prefix_len] float32, finite, on any device. Returns the rotary layout.
+    same [B, Hkv, N, D]. attn: [L, B, N - prefix_len] float32, finite (`finite=False`: left to
+    `check_attn_finite`), on any device. Returns the rotary layout.
     """
     _config(cfg)
     if isinstance(stacks, (str, bytes)) or not isinstance(stacks, Sequence) or len(stacks) == 0:
@@ -209,7 +218,7 @@ def check_stacks(stacks, attn: torch.Tensor, cfg: HermesConfig,
         raise ValueError(f"stacks: the layer ranges end at layer {next_layer}, expected them to cover all "
                          f"L={cfg.num_layers} layers")
     _, B, _, N, _ = stacks[0][1].shape
-    check_attn(attn, cfg, num_visual=N - cfg.prefix_len)
+    check_attn(attn, cfg, num_visual=N - cfg.prefix_len, finite=finite)
     if attn.shape[1] != B:
         raise ValueError(f"attn: expected [L, B={B}, V], got {tuple(attn.shape)}")
     return layout

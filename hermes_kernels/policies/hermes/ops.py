@@ -3,6 +3,10 @@
 
 `compress_stacks` is the step for a cache whose layers are split into per-device stacks (`device_map` models): one
 selection and one re-index decision for all layers, then `compact` of each stack's layer range on its own device.
+The ops that score (`hermes_scores`, `compress_step`, `compress_stacks`) take `group=`, a `torch.distributed` process
+group whose ranks each hold a share of the heads (tensor parallelism): shapes are checked, then the ranks' pooled
+attention is averaged by one all-reduce (`tensor_parallel.group_mean`) and checked finite, then scored
+(docs/multi-gpu.md#what-crosses).
 """
 from __future__ import annotations
 
@@ -10,13 +14,15 @@ from typing import Sequence
 
 import torch
 
+from ...checks import check_group
 from ...dispatch import pick, resolve_backend
 from ...results import CompressResult
 from ...rope import RotaryLayout
 from . import compaction, compaction_triton, pooling, scoring, select
-from .checks import (check_attn, check_cache, check_reindexed, check_compress, check_keep, check_layers,
-                     check_pooled_attention, check_scores, check_stacks)
+from .checks import (check_attn, check_attn_finite, check_cache, check_reindexed, check_compress, check_keep,
+                     check_layers, check_pooled_attention, check_scores, check_stacks)
 from .config import HermesConfig
+from .tensor_parallel import group_mean
 
 
 def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *,
@@ -30,9 +36,12 @@ def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = Non
     return impl(q, k, scale)
 
 
-def hermes_scores(attn: torch.Tensor, cfg: HermesConfig, *, backend: str = "auto") -> torch.Tensor:
-    """Smoothed scores S~ float32 [L, B, V] from pooled attention [L, B, V] (§2.3–2.4)."""
-    check_attn(attn, cfg)
+def hermes_scores(attn: torch.Tensor, cfg: HermesConfig, *, backend: str = "auto", group=None) -> torch.Tensor:
+    """Smoothed scores S~ float32 [L, B, V] from pooled attention [L, B, V] (§2.3–2.4); with `group`, from the
+    group's mean of every rank's attn (module docstring)."""
+    check_attn(attn, cfg, finite=group is None)
+    check_group(group)
+    attn = _mean_over(attn, group)
     impl = pick(backend, attn.device, scoring.hermes_scores_triton, scoring.hermes_scores_torch)
     return impl(attn, cfg)
 
@@ -64,20 +73,24 @@ def compact(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, k
 
 def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor,
                   cfg: HermesConfig, inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None = None, *,
-                  backend: str = "auto") -> CompressResult:
+                  backend: str = "auto", group=None) -> CompressResult:
     """One HERMES compression step in place; same contract as `reference.compress_step` (§3).
 
     keys/values [L, B, Hkv, N, D] fp16/bf16/fp32 (first `length` slots valid afterwards); positions int64
     [L, B, N] or [L, B, 3, N] (M-RoPE); attn float32 [L, B, N - prefix_len]. rotary: None (1D RoPE),
     three contiguous pair counts (t, h, w) or a `RotaryLayout` (interleaved M-RoPE included).
+    group: None, or the `torch.distributed` group whose ranks hold the other heads (tensor parallelism): keys and
+    values are this rank's heads, attn its pooled attention over them; every rank keeps the same tokens.
     """
-    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, rotary)
+    layout = check_compress(keys, values, positions, attn, cfg, inv_freq, rotary, finite=group is None)
+    check_group(group)
+    attn = _mean_over(attn, group)
     return _compress([(range(cfg.num_layers), keys, values, positions, inv_freq)], attn, cfg, layout, backend)
 
 
 def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
                     attn: torch.Tensor, cfg: HermesConfig, rotary: Sequence[int] | RotaryLayout | None = None, *,
-                    backend: str = "auto") -> CompressResult:
+                    backend: str = "auto", group=None) -> CompressResult:
     """One HERMES compression step, in place, over a cache whose layers are split into per-device stacks (§2.6).
 
     stacks: (layers, keys, values, positions, inv_freq) per stack, in layer order: `layers` a range of the config's
@@ -89,9 +102,22 @@ def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, to
     on attn's device; one re-index decision for all stacks (§2.7) is combined there from every stack's largest
     position without a host sync; then each stack is compacted on its own device with its rows of keep and the
     flag. The result's keep, scores and reindexed live on attn's device. `backend` is resolved per device.
+    group: as for `compress_step` (the stacks hold this rank's heads).
     """
-    layout = check_stacks(stacks, attn, cfg, rotary)
+    layout = check_stacks(stacks, attn, cfg, rotary, finite=group is None)
+    check_group(group)
+    attn = _mean_over(attn, group)
     return _compress(stacks, attn, cfg, layout, backend)
+
+
+def _mean_over(attn: torch.Tensor, group) -> torch.Tensor:
+    """attn as it is without a group; else the group's mean of it (the one collective of a step), checked finite
+    (the same values, so the same verdict, on every rank)."""
+    if group is None:
+        return attn
+    attn = group_mean(attn, group)
+    check_attn_finite(attn)
+    return attn
 
 
 def _compress(stacks, attn: torch.Tensor, cfg: HermesConfig, layout: RotaryLayout, backend: str) -> CompressResult:
