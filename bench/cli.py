@@ -37,8 +37,9 @@ DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfl
 
 # Defaults per run. The first run (no flag) is the headline: the whole step of both policies at the two 7B shapes
 # (1D RoPE and M-RoPE), one budget and chunk, every backend that runs on the device, with the floor ratio and the
-# plot. --full is the grid. CPU: both budgets, two chunk sizes, fp32, every stage but the released-style guidance
-# pass (its rows take about a minute each on 2 cores). CUDA: every shape, fp16, more chunk sizes and repeats.
+# plot. --full is the grid. CPU: the two 7B shapes and Qwen3.5's (partial rotary), both budgets, two chunk sizes,
+# fp32, every stage but the released-style guidance pass (its rows take about a minute each on 2 cores). CUDA: every
+# shape, fp16, more chunk sizes and repeats.
 # The released-style rows (stages released_*) are slow Python: `released_repeats` timed runs, no warm-up besides
 # the memory run.
 HEADLINE_STAGES = ["step", "h2svc_step"]
@@ -49,9 +50,9 @@ DEFAULTS = {
     "cuda": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=[max(BUDGETS)], chunks=[CHUNK_FRAMES],
                  dtypes=["float16"], repeats=20, reference_repeats=3, warmup=3, released_repeats=1,
                  stages=HEADLINE_STAGES),
-    "cpu-full": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b"], budgets=list(BUDGETS), chunks=[8, CHUNK_FRAMES],
-                     dtypes=["float32"], repeats=10, reference_repeats=5, warmup=2, released_repeats=1,
-                     stages=[s for s in STAGES if s != "released_guidance"]),
+    "cpu-full": dict(shapes=["llava-ov-7b", "qwen2.5-vl-7b", "qwen3.5"], budgets=list(BUDGETS),
+                     chunks=[8, CHUNK_FRAMES], dtypes=["float32"], repeats=10, reference_repeats=5, warmup=2,
+                     released_repeats=1, stages=[s for s in STAGES if s != "released_guidance"]),
     "cuda-full": dict(shapes=list(SHAPES), budgets=list(BUDGETS), chunks=[4, 8, CHUNK_FRAMES],
                       dtypes=["float16"], repeats=50, reference_repeats=5, warmup=5, released_repeats=5,
                       stages=list(STAGES)),

@@ -1,9 +1,10 @@
 """The one registry of model shapes the benchmarks run at, plus the streaming defaults (docs/hermes.md §4).
 
 A shape is a name, what the compression step sees of a model (`hermes_kernels.geometry.ModelGeometry`: layer
-count, query/KV heads, head dim, RoPE base and position limit, the M-RoPE layout: contiguous sections for
-Qwen2.5-VL, interleaved for Qwen3-VL) and its family's preset of both policies (HERMES `config`, H2SVC
-`h2svc_config`). Numbers are the models' published configs.
+count, query/KV heads, head dim, RoPE base and position limit, the rotary layout: contiguous M-RoPE sections for
+Qwen2.5-VL, interleaved for Qwen3-VL, interleaved over the first R of D channels for Qwen3.5) and its family's
+preset of both policies (HERMES `config`, H2SVC `h2svc_config`). Numbers are the models' published configs
+(Qwen3.5: transformers 5.24's default config).
 """
 from __future__ import annotations
 
@@ -64,6 +65,12 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
            max_positions=128000, rotary=RotaryLayout.sections((16, 24, 24))),
     _shape("qwen3-vl-8b", "qwen3_vl", layers=36, heads=32, kv_heads=8, head_dim=128, theta=5e6,
            max_positions=262144, rotary=RotaryLayout.interleaved((24, 20, 20))),
+    # Qwen3.5, the full-attention part of transformers 5.24's default Qwen3_5Config: 8 of its 32 layers hold a
+    # growing K/V cache (the other 24 are linear attention with a fixed state, nothing to compress), 16 heads over
+    # 4 KV heads of D 256, partial rotary (partial_rotary_factor 0.25: R = 64, inv_freq over R) with interleaved
+    # M-RoPE [11, 11, 10] over the 32 pairs. Preset: Qwen3-VL's constants (the same video layout), over 8 layers.
+    _shape("qwen3.5", "qwen3_vl", layers=8, heads=16, kv_heads=4, head_dim=256, theta=1e4, max_positions=32768,
+           rotary=RotaryLayout.interleaved((11, 11, 10))),
 )}
 
 # Tiny geometry for smoke runs (--quick, tests/bench/test_bench.py); not a real model, so not in SHAPES. Their H2SVC

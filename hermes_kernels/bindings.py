@@ -22,8 +22,8 @@ C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the cache dtype codes of com
 _PTR, _I64, _I32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
 # C function -> (library, argument types), in the order of the C signatures; every one returns an int status
 _SIGNATURES = {
-    "hermes_compact_rows": ("compact_cpu", (_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR,
-                                            _PTR, _PTR, _I32, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT, _INT)),
+    "hermes_compact_rows": ("compact_cpu", (_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                                            _PTR, _PTR, _PTR, _I32, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT, _INT)),
     "hermes_dense_rank": ("compact_cpu", (_PTR, _PTR, _I64, _I64, _I64, _PTR, _INT)),
     "hermes_frame_reindex": ("compact_cpu", (_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR,
                                              _PTR, _INT)),
@@ -57,21 +57,27 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, P: int, src: torch.Te
                  pruned: torch.Tensor, ptab: torch.Tensor, k_sum: torch.Tensor, v_sum: torch.Tensor,
                  stream: bool) -> None:
     """`hermes_compact_rows`: the in-place row walk of keys / values [L, B, Hkv, N, D] (fp32 or bf16, any strides
-    with contiguous rows). src int64 [L, B, n] and ktab int32 [L, B, A, n] (contiguous); axis int32 [D/2]; cos / sin
-    float32 [R, D/2]; pruned int64 [L - first, B, m] and ptab int32 (any contiguous int64 / int32 when m = 0);
-    k_sum / v_sum float64 [L - first, B, Hkv, D] receive the summary sums."""
+    with contiguous rows). src int64 [L, B, n] and ktab int32 [L, B, A, n] (contiguous); axis int32 [R/2]; cos / sin
+    float32 [rows, R/2], R/2 the rotary pairs (<= D/2: the walk turns channels [0, R) and carries [R, D) unrotated);
+    pruned int64 [L - first, B, m] and ptab int32 (any contiguous int64 / int32 when m = 0); k_sum / v_sum float64
+    [L - first, B, Hkv, D] receive the summary sums."""
     L, B, Hkv, _, D = keys.shape
+    rh = cos.shape[-1]
+    if axis.numel() != rh or sin.shape != cos.shape:
+        raise ValueError(f"axis: expected [R/2={rh}] entries, one per column of the cos / sin table "
+                         f"{tuple(cos.shape)}, got axis {tuple(axis.shape)} and sin {tuple(sin.shape)}")
     shape = torch.tensor([L, B, Hkv, D], dtype=torch.int64)
     kstride = torch.tensor(keys.stride()[:4], dtype=torch.int64)
     vstride = torch.tensor(values.stride()[:4], dtype=torch.int64)
     status = _function("hermes_compact_rows")(
         keys.data_ptr(), values.data_ptr(), C_DTYPES[keys.dtype], shape.data_ptr(), kstride.data_ptr(),
-        vstride.data_ptr(), P, src.shape[-1], src.data_ptr(), ktab.data_ptr(), A, axis.data_ptr(), cos.data_ptr(),
-        sin.data_ptr(), zero_row, first, m, pruned.data_ptr(), ptab.data_ptr(), k_sum.data_ptr(), v_sum.data_ptr(),
-        int(stream), torch.get_num_threads())
+        vstride.data_ptr(), P, src.shape[-1], src.data_ptr(), ktab.data_ptr(), A, rh, axis.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), zero_row, first, m, pruned.data_ptr(), ptab.data_ptr(), k_sum.data_ptr(),
+        v_sum.data_ptr(), int(stream), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"compact_cpu.c: hermes_compact_rows returned {status} (1: bad dtype {keys.dtype}, "
-                           f"head_dim {D}, axis count {A} or axis map; 2: a worker thread failed)")
+                           f"head_dim {D}, rotary pairs {rh}, axis count {A} or axis map; 2: a worker thread "
+                           f"failed)")
 
 
 def dense_rank(values: torch.Tensor, valid: torch.Tensor | None, max_span: int, rank: torch.Tensor) -> bool:

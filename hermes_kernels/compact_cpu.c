@@ -13,11 +13,13 @@
  * ran slower than torch). Arithmetic is fp32 as in the reference: each element is widened exactly, rotated in
  * fp32 and rounded once to the cache dtype (to nearest, ties to even, as torch's conversion); values move as raw
  * bytes.
- * Rotation (rotate-half, §2.8): pair q couples channels q and q + D/2 and turns by the angle of its axis axis[q]
- * (`RotaryLayout.axis`: 1D RoPE, contiguous or interleaved M-RoPE sections alike; 1D has one axis). cos/sin come
- * from a table [R, D/2] that the caller computed with torch from the integer
- * deltas, so every angle is fp32(delta)·inv_freq exactly as in `hermes_kernels.rope`. Products and sums each round
- * once (built with -ffp-contract=off), as in the torch ops of the reference.
+ * Rotation (rotate-half, §2.8) over the first R = 2·rh channels of a head of D >= R (partial rotary when less):
+ * pair q < rh couples channels q and q + rh and turns by the angle of its axis axis[q] (`RotaryLayout.axis`: 1D
+ * RoPE, contiguous or interleaved M-RoPE sections alike; 1D has one axis); channels [R, D) never turn: a row that
+ * moves takes them as bytes, a row rotated in place leaves them, a summary adds them as they are. cos/sin come
+ * from a table [rows, rh] that the caller computed with torch from the integer deltas, so every angle is
+ * fp32(delta)·inv_freq exactly as in `hermes_kernels.rope`. Products and sums each round once (built with
+ * -ffp-contract=off), as in the torch ops of the reference.
  */
 #include <pthread.h>
 #include <stddef.h>
@@ -37,14 +39,14 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 typedef struct {
     char *k, *v;
     int dtype;
-    int64_t L, B, H, D;
+    int64_t L, B, H, D, rh;       /* rh = R/2 rotary pairs <= D/2 */
     const int64_t *kstride, *vstride; /* layer, stream, head, token strides in elements */
     int64_t P, n;
     const int64_t *src;           /* [L, B, n] source slot of kept token i, -1 past the row's kept count */
     const int32_t *ktab;          /* [L, B, A, n] table row per kept token and axis */
     int64_t A;                    /* axes: 1 (1D) or 3 (M-RoPE) */
-    const int32_t *axis;          /* [D/2] axis of each frequency pair, in [0, A) */
-    const float *tab_cos, *tab_sin; /* [R, D/2] */
+    const int32_t *axis;          /* [rh] axis of each frequency pair, in [0, A) */
+    const float *tab_cos, *tab_sin; /* [rows, rh] */
     int32_t zero_row;             /* table row of delta 0, -1 if absent */
     int64_t first, m;             /* first summary layer; pruned tokens per deep (layer, stream), 0 = no summary */
     const int64_t *pruned;        /* [L - first, B, m] pruned slots, ascending */
@@ -80,15 +82,16 @@ INLINE void store(char *row, int64_t q, float x, const int dtype) {
     ((float *)row)[q] = x;
 }
 
-/* out (of out_dtype) <- x (of dtype) rotated by the angles of table rows rows[a * stride], one per axis.
- * out may equal x. */
-INLINE void rotate(const char *x, char *out, const int32_t *rows, int64_t stride, const job_t *j,
-                   const int64_t half, const int dtype, const int out_dtype) {
-    const float *c = j->tab_cos + rows[0] * half, *s = j->tab_sin + rows[0] * half;
+/* out (of out_dtype) <- x (of dtype) with channels [0, 2·rh) rotated by the angles of table rows rows[a * stride],
+ * one per axis, and channels [2·rh, D) copied: as bytes when out_dtype is dtype, widened exactly otherwise (the
+ * summary's fp32 rows). out may equal x: in place the tail is left as it is. */
+INLINE void rotate(const char *x, char *out, const int32_t *rows, int64_t stride, const job_t *j, const int64_t rh,
+                   const int64_t D, const int dtype, const int out_dtype) {
+    const float *c = j->tab_cos + rows[0] * rh, *s = j->tab_sin + rows[0] * rh;
     float cos_row[MAX_HALF], sin_row[MAX_HALF];
     if (j->A > 1) { /* M-RoPE: each pair's angle from the table row of its own axis */
-        for (int64_t q = 0; q < half; ++q) {
-            const int64_t at = (int64_t)rows[j->axis[q] * stride] * half + q;
+        for (int64_t q = 0; q < rh; ++q) {
+            const int64_t at = (int64_t)rows[j->axis[q] * stride] * rh + q;
             cos_row[q] = j->tab_cos[at];
             sin_row[q] = j->tab_sin[at];
         }
@@ -96,20 +99,26 @@ INLINE void rotate(const char *x, char *out, const int32_t *rows, int64_t stride
         s = sin_row;
     }
     if (x != out) { /* another row: the compiler's overlap check passes and this loop runs vectorised */
-        for (int64_t q = 0; q < half; ++q) {
-            const float x1 = load(x, q, dtype), x2 = load(x, q + half, dtype);
+        for (int64_t q = 0; q < rh; ++q) {
+            const float x1 = load(x, q, dtype), x2 = load(x, q + rh, dtype);
             store(out, q, x1 * c[q] - x2 * s[q], out_dtype);
-            store(out, q + half, x2 * c[q] + x1 * s[q], out_dtype);
+            store(out, q + rh, x2 * c[q] + x1 * s[q], out_dtype);
+        }
+        if (out_dtype == dtype) {
+            const int64_t size = element_size(dtype);
+            memcpy(out + 2 * rh * size, x + 2 * rh * size, (size_t)((D - 2 * rh) * size));
+        } else {
+            for (int64_t q = 2 * rh; q < D; ++q) store(out, q, load(x, q, dtype), out_dtype);
         }
         return;
     }
-    /* in place, that check fails and the loop above would run scalar: widen the row into a local copy first, so
-     * the products read only memory the stores cannot touch */
+    /* in place, that check fails and the loop above would run scalar: widen the rotary channels into a local copy
+     * first, so the products read only memory the stores cannot touch */
     float w[2 * MAX_HALF];
-    for (int64_t q = 0; q < 2 * half; ++q) w[q] = load(x, q, dtype);
-    for (int64_t q = 0; q < half; ++q) {
-        store(out, q, w[q] * c[q] - w[q + half] * s[q], out_dtype);
-        store(out, q + half, w[q + half] * c[q] + w[q] * s[q], out_dtype);
+    for (int64_t q = 0; q < 2 * rh; ++q) w[q] = load(x, q, dtype);
+    for (int64_t q = 0; q < rh; ++q) {
+        store(out, q, w[q] * c[q] - w[q + rh] * s[q], out_dtype);
+        store(out, q + rh, w[q + rh] * c[q] + w[q] * s[q], out_dtype);
     }
 }
 
@@ -132,30 +141,31 @@ INLINE void put_row(char *dst, const char *src, const size_t bytes, const int st
 }
 
 /* Kept token: key from slot s rotated into slot d, value copied (d <= s). */
-INLINE void move(const job_t *j, char *kr, char *vr, int64_t s, int64_t d, const int32_t *rows,
-                 const int64_t half, const int dtype) {
+INLINE void move(const job_t *j, char *kr, char *vr, int64_t s, int64_t d, const int32_t *rows, const int64_t rh,
+                 const int64_t D, const int dtype) {
     const int64_t size = element_size(dtype), kt = j->kstride[3] * size, vt = j->vstride[3] * size;
-    const size_t bytes = (size_t)(2 * half * size);
+    const size_t bytes = (size_t)(D * size);
     int unturned = 1;
     for (int64_t a = 0; unturned && a < j->A; ++a) unturned = rows[a * j->n] == j->zero_row;
     if (s == d) {
-        if (!unturned) rotate(kr + s * kt, kr + d * kt, rows, j->n, j, half, dtype, dtype); /* in place */
+        if (!unturned) rotate(kr + s * kt, kr + d * kt, rows, j->n, j, rh, D, dtype, dtype); /* in place */
         return; /* same slot, zero delta: nothing changes */
     }
     if (unturned) { /* zero delta: the key moves as bytes */
         put_row(kr + d * kt, kr + s * kt, bytes, j->stream);
     } else if (j->stream) { /* rotated in L1, then streamed */
         float turned[2 * MAX_HALF]; /* room for a row of either dtype */
-        rotate(kr + s * kt, (char *)turned, rows, j->n, j, half, dtype, dtype);
+        rotate(kr + s * kt, (char *)turned, rows, j->n, j, rh, D, dtype, dtype);
         put_row(kr + d * kt, (const char *)turned, bytes, 1);
     } else {
-        rotate(kr + s * kt, kr + d * kt, rows, j->n, j, half, dtype, dtype);
+        rotate(kr + s * kt, kr + d * kt, rows, j->n, j, rh, D, dtype, dtype);
     }
     put_row(vr + d * vt, vr + s * vt, bytes, j->stream);
 }
 
-INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int64_t half, const int dtype) {
-    const int64_t D = 2 * half, A = j->A, size = element_size(dtype);
+INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int64_t rh, const int64_t D,
+                     const int dtype) {
+    const int64_t A = j->A, size = element_size(dtype);
     char *kr = j->k + (l * j->kstride[0] + b * j->kstride[1] + h * j->kstride[2]) * size;
     char *vr = j->v + (l * j->vstride[0] + b * j->vstride[1] + h * j->vstride[2]) * size;
     const int64_t *src = j->src + (l * j->B + b) * j->n;
@@ -163,7 +173,7 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
     int64_t kept = 0;
     while (kept < j->n && src[kept] >= 0) ++kept;
     if (j->m == 0 || l < j->first) {
-        for (int64_t i = 0; i < kept; ++i) move(j, kr, vr, src[i], j->P + i, ktab + i, half, dtype);
+        for (int64_t i = 0; i < kept; ++i) move(j, kr, vr, src[i], j->P + i, ktab + i, rh, D, dtype);
         return;
     }
     const int64_t deep = (l - j->first) * j->B + b;
@@ -176,7 +186,8 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
     for (int64_t i = 0, p = 0; i < kept || p < j->m;) {
         if (p < j->m && (i == kept || pruned[p] < src[i])) {
             const char *value = vr + pruned[p] * j->vstride[3] * size;
-            rotate(kr + pruned[p] * j->kstride[3] * size, (char *)turned, ptab + p, j->m, j, half, dtype,
+            /* the whole key widened into `turned`: the rotary channels turned to the target, the tail as it is */
+            rotate(kr + pruned[p] * j->kstride[3] * size, (char *)turned, ptab + p, j->m, j, rh, D, dtype,
                    DTYPE_F32);
             for (int64_t c = 0; c < D; ++c) {
                 k_acc[c] += (double)turned[c];
@@ -184,7 +195,7 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
             }
             ++p;
         } else {
-            move(j, kr, vr, src[i], j->P + i, ktab + i, half, dtype);
+            move(j, kr, vr, src[i], j->P + i, ktab + i, rh, D, dtype);
             ++i;
         }
     }
@@ -192,17 +203,16 @@ INLINE void walk_row(const job_t *j, int64_t l, int64_t b, int64_t h, const int6
     memcpy(j->vsum + (deep * j->H + h) * D, v_acc, (size_t)D * sizeof(double));
 }
 
-/* One row walk per dtype, each compiled on its own; common head dims get a constant trip count, which the
- * compiler unrolls and vectorises. */
+/* One row walk per dtype, each compiled on its own; the (rotary pairs, head dim) of common models get constant trip
+ * counts, which the compiler unrolls and vectorises: full rotary at D = 64, 128, 256 and Qwen3.5's R = 64 of 256. */
 #define DEFINE_WALK(NAME, DTYPE)                                                                              \
     static __attribute__((noinline)) void NAME(const job_t *j, int64_t l, int64_t b, int64_t h) {            \
-        const int64_t half = j->D / 2;                                                                     \
-        switch (half) {                                                                                    \
-        case 32: walk_row(j, l, b, h, 32, DTYPE); break;                                                   \
-        case 64: walk_row(j, l, b, h, 64, DTYPE); break;                                                   \
-        case 128: walk_row(j, l, b, h, 128, DTYPE); break;                                                 \
-        default: walk_row(j, l, b, h, half, DTYPE);                                                        \
-        }                                                                                                  \
+        const int64_t rh = j->rh, D = j->D;                                                                \
+        if (rh == 32 && D == 64) walk_row(j, l, b, h, 32, 64, DTYPE);                                     \
+        else if (rh == 64 && D == 128) walk_row(j, l, b, h, 64, 128, DTYPE);                              \
+        else if (rh == 128 && D == 256) walk_row(j, l, b, h, 128, 256, DTYPE);                            \
+        else if (rh == 32 && D == 256) walk_row(j, l, b, h, 32, 256, DTYPE);                              \
+        else walk_row(j, l, b, h, rh, D, DTYPE);                                                           \
     }
 DEFINE_WALK(walk_f32, DTYPE_F32)
 DEFINE_WALK(walk_bf16, DTYPE_BF16)
@@ -246,22 +256,22 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, 1 for an unsupported dtype, head dim, axis count or an axis map entry outside [0, A)
- * (nothing written), 2 if a worker thread could not be joined. Rows of workers whose thread could not start run
- * on the calling thread. */
+/* Returns 0 on success, 1 for an unsupported dtype, head dim, rotary pair count (rh in [1, D/2]), axis count or an
+ * axis map entry outside [0, A) (nothing written), 2 if a worker thread could not be joined. Rows of workers whose
+ * thread could not start run on the calling thread. */
 int hermes_compact_rows(void *k, void *v, int dtype, const int64_t *shape, const int64_t *kstride,
                         const int64_t *vstride, int64_t P, int64_t n, const int64_t *src, const int32_t *ktab,
-                        int64_t A, const int32_t *axis, const float *tab_cos, const float *tab_sin,
+                        int64_t A, int64_t rh, const int32_t *axis, const float *tab_cos, const float *tab_sin,
                         int32_t zero_row, int64_t first, int64_t m, const int64_t *pruned, const int32_t *ptab,
                         double *ksum, double *vsum, int stream, int threads) {
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return 1;
-    if (shape[3] % 2 || shape[3] / 2 > MAX_HALF || A < 1 || A > 3) return 1;
-    for (int64_t q = 0; q < shape[3] / 2; ++q)
+    if (shape[3] % 2 || shape[3] / 2 > MAX_HALF || rh < 1 || rh > shape[3] / 2 || A < 1 || A > 3) return 1;
+    for (int64_t q = 0; q < rh; ++q)
         if (axis[q] < 0 || axis[q] >= A) return 1;
     threads = worker_count(threads, shape[0] * shape[1] * shape[2]);
     job_t jobs[MAX_THREADS];
     for (int t = 0; t < threads; ++t)
-        jobs[t] = (job_t){(char *)k, (char *)v, dtype, shape[0], shape[1], shape[2], shape[3], kstride,
+        jobs[t] = (job_t){(char *)k, (char *)v, dtype, shape[0], shape[1], shape[2], shape[3], rh, kstride,
                           vstride, P, n, src, ktab, A, axis, tab_cos, tab_sin, zero_row, first, m, pruned,
                           ptab, ksum, vsum, stream, threads, t};
     return run_workers(worker, (char *)jobs, sizeof jobs[0], threads) ? 2 : 0;

@@ -207,21 +207,27 @@ def apply_rotary_delta(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Ten
 
 
 def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out <- x rotated by the angles of cos/sin (rotate-half, §2.8) in out's dtype (the work dtype); returns out.
+    """out <- x with channels [0, R) rotated by the angles of cos/sin (rotate-half, §2.8) and channels [R, D) copied,
+    in out's dtype (the work dtype); returns out.
 
     x [..., D] in the cache dtype (promoted exactly to the work dtype by the ops), cos/sin broadcastable to
-    [..., D/2]; out must not overlap x. Four passes over half rows, no temporaries: the in-place row movers'
-    rotation (`hermes_kernels.rows_torch`). `apply_rotary_delta` keeps its own two products and a difference: a
-    fused multiply-add (which `addcmul_` may be on a GPU) rounds once where it rounds twice, and the model glue and
-    the references rotate with it.
+    [..., R/2] (R = 2·cos.shape[-1] <= D: partial rotary when less); out [..., D] must not overlap x. Four passes
+    over the rotary half rows and one copy of the tail, no temporaries: the in-place row movers' rotation
+    (`hermes_kernels.rows_torch`). The tail is a copy, never a rotation by zero (−0.0 − (−0.0) is +0.0); it is
+    bit for bit when out has x's dtype (a widening copy canonicalises NaN payloads: callers that write a tail back
+    to the cache take it from x). `apply_rotary_delta` keeps its own two products and a difference: a fused
+    multiply-add (which `addcmul_` may be on a GPU) rounds once where it rounds twice, and the model glue and the
+    references rotate with it.
     """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    o1, o2 = out[..., :half], out[..., half:]
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    o1, o2 = out[..., :half], out[..., half:2 * half]
     torch.mul(x1, cos, out=o1)
     o1.addcmul_(x2, sin, value=-1)
     torch.mul(x2, cos, out=o2)
     o2.addcmul_(x1, sin)
+    if 2 * half < x.shape[-1]:
+        out[..., 2 * half:].copy_(x[..., 2 * half:])
     return out
 
 

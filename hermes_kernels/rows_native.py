@@ -35,8 +35,9 @@ def use_native(native_choice: bool | None, keys: torch.Tensor, values: torch.Ten
 
 
 def angle_table(delta: torch.Tensor, inv_freq: torch.Tensor):
-    """cos, sin float32 [R, D/2] (what the C kernel reads) of the distinct integer deltas, each row's table index
-    (int32, delta's shape) and the row of delta 0 (-1 if none). CPU only: the table size is read from the data.
+    """cos, sin float32 [rows, R/2] (what the C kernel reads; inv_freq [R/2]) of the distinct integer deltas, each
+    row's table index (int32, delta's shape) and the row of delta 0 (-1 if none). CPU only: the table size is read
+    from the data.
 
     Rows cover the range min..max when that is no longer than the deltas themselves (the usual case: a step's
     deltas span about V), else only the distinct values. Angles are `rotary_cos_sin`'s, so bit-equal per delta.
@@ -59,15 +60,17 @@ def move_rows_native(keys, values, P, src, delta, first, pruned, to_target, inv_
                      stream=False):
     """Row work in one call of the C kernel (compact_cpu.c): each (layer, stream, head) row is walked once, left to
     right, in place; same arguments and result as `move_rows_torch` except the sums come back in float64. The
-    kernel reads each pair's axis from `layout.axis_tensor()`.
+    kernel reads each pair's axis from `layout.axis_tensor()` and turns the R/2 = inv_freq.numel() pairs of channels
+    [0, R); channels [R, D) move as bytes (partial rotary).
     delta=None (no pruned tokens): nothing rotates, rows only move — every token reads the one table row of
-    delta 0, so the walk skips the tokens that stay and copies the others exactly. stream: rows that change slot are
-    written with streaming stores (`put_row` in the C file: for moves whose destinations the walk has not just
-    read, H2SVC's)."""
+    delta 0 on one axis, so the walk skips the tokens that stay and copies the others exactly. stream: rows that
+    change slot are written with streaming stores (`put_row` in the C file: for moves whose destinations the walk
+    has not just read, H2SVC's)."""
     L, B, Hkv, N, D = keys.shape
+    pairs = inv_freq.numel()
     if delta is None:
-        A, layout = 1, RotaryLayout.one_d(D // 2)
-        cos, sin = torch.ones(1, D // 2), torch.zeros(1, D // 2)
+        A, layout = 1, RotaryLayout.one_d(pairs)
+        cos, sin = torch.ones(1, pairs), torch.zeros(1, pairs)
         ktab, zero = torch.zeros(src.shape[:-1] + (1, src.shape[-1]), dtype=torch.int32), 0
     else:
         A = delta.shape[2]

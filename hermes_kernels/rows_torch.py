@@ -60,7 +60,7 @@ def tile_tokens(x: torch.Tensor) -> int:
 
 
 def _head_angles(delta: torch.Tensor, inv_freq: torch.Tensor, layout: RotaryLayout, work: torch.dtype):
-    """cos, sin [L, B, 1, T, D/2] for position deltas [L, B, A, T] (A = layout.num_axes), broadcast over heads."""
+    """cos, sin [L, B, 1, T, R/2] for position deltas [L, B, A, T] (A = layout.num_axes), broadcast over heads."""
     cos, sin = rotary_cos_sin(delta if layout.num_axes == 3 else delta[:, :, 0], inv_freq, layout, work)
     return cos.unsqueeze(2), sin.unsqueeze(2)
 
@@ -70,8 +70,10 @@ def move_rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_f
 
     keys / values [L, B, Hkv, N, D] (any dtype and strides), updated in place. src int64 [L, B, n] source slots (-1
     past a row's kept count), delta int64 [L, B, A, n], pruned int64 [L - first, B, m] and to_target
-    [L - first, B, A, m] (None without summary); A = layout.num_axes, each frequency pair turned by the delta of its
-    axis `layout.axis`. Returns the key and value sums [L - first, B, Hkv, D] in the work dtype, or None.
+    [L - first, B, A, m] (None without summary); A = layout.num_axes, each of the R/2 frequency pairs (inv_freq
+    [R/2], R <= D) turned by the delta of its axis `layout.axis`. Channels [R, D) of a key move unrotated, bit for
+    bit (partial rotary; docs/hermes.md §2.8), and enter the key sums as they are. Returns the key and value sums
+    [L - first, B, Hkv, D] in the work dtype, or None.
 
     Every op covers all layers, streams and heads at once; the only Python loops run over token tiles (their
     number follows from the shapes), which keeps the temporaries small. Tiles move left to right: tile [i0, i1)
@@ -80,6 +82,7 @@ def move_rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_f
     slots the caller overwrites with the summary (the only padded column).
     """
     L, B, Hkv, N, D = keys.shape
+    R = 2 * inv_freq.numel()
     n = src.shape[-1]
     work = work_dtype(keys)
     src = src.clamp(min=P)
@@ -101,15 +104,18 @@ def move_rows_torch(keys, values, P, src, delta, first, pruned, to_target, inv_f
 
     tile = tile_tokens(keys)
     key_rows, value_rows = TileRows(keys, src, tile), TileRows(values, src, tile)
-    # fp32/fp64 caches take the rotation straight into their slots; others go through a work-dtype tile
-    rotated = None if keys.dtype == work else workspace.scratch((L, B, Hkv, tile, D), work, keys.device)
+    # fp32/fp64 caches take the rotation straight into their slots; others turn the rotary channels in a work-dtype
+    # tile and take the tail from the gathered rows (a widening round trip would canonicalise NaN payloads)
+    rotated = None if keys.dtype == work else workspace.scratch((L, B, Hkv, tile, R), work, keys.device)
     for t, i0 in enumerate(range(0, n, tile)):
         i1 = min(i0 + tile, n)
         cos, sin = _head_angles(delta[..., i0:i1], inv_freq, layout, work)
         slots = keys[:, :, :, P + i0:P + i1]
-        out = slots if rotated is None else rotated[:, :, :, :i1 - i0]
-        rotate_into(key_rows.gather(t, i1 - i0), cos, sin, out)
-        if rotated is not None:
-            slots.copy_(out)
+        rows = key_rows.gather(t, i1 - i0)
+        if rotated is None:
+            rotate_into(rows, cos, sin, slots)
+        else:
+            slots[..., :R] = rotate_into(rows[..., :R], cos, sin, rotated[:, :, :, :i1 - i0])
+            slots[..., R:] = rows[..., R:]
         values[:, :, :, P + i0:P + i1] = value_rows.gather(t, i1 - i0)
     return sums

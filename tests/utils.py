@@ -54,20 +54,79 @@ INTERLEAVED = {128: RotaryLayout.interleaved((24, 20, 20)), 16: RotaryLayout.int
                12: RotaryLayout.interleaved((2, 2, 2)), 8: RotaryLayout.interleaved((2, 1, 1))}
 
 
-def rope_id(mrope_section) -> str:
+# Partial rotary (Qwen3.5: the first R channels of a head turn, [R, D) never do) at interpreter shapes, by name:
+# (head dim D, layout of R/2 pairs). "il": D 32, R 8, interleaved M-RoPE [2, 1, 1] (the tiny Qwen3.5's); "1d": D 16,
+# R 8, 1D RoPE. Qwen3.5's published D 256, R 64, interleaved [11, 11, 10] is `QWEN3_5_ROTARY`.
+PARTIAL = {"il": (32, RotaryLayout.interleaved((2, 1, 1))), "1d": (16, RotaryLayout.one_d(4))}
+QWEN3_5_ROTARY = RotaryLayout.interleaved((11, 11, 10))
+
+
+def rope_id(mrope_section, head_dim: int | None = None) -> str:
     """Test id of a rotary description: 1d, mrope2-3-3 (contiguous sections: counts or a layout), il4-2-2
-    (interleaved)."""
+    (interleaved); with `head_dim`, a layout of fewer pairs than D/2 (partial rotary) adds its width, e.g.
+    il2-1-1-R8."""
     if mrope_section is None:
         return "1d"
     layout = mrope_section if isinstance(mrope_section, RotaryLayout) else RotaryLayout.sections(mrope_section)
+    partial = f"-R{layout.rotary_dim}" if head_dim is not None and layout.rotary_dim < head_dim else ""
     if layout.num_axes == 1:
-        return "1d"
-    return {"sections": "mrope", "interleaved": "il"}.get(layout.kind, layout.kind) + "-".join(map(str, layout.counts))
+        return "1d" + partial
+    return ({"sections": "mrope", "interleaved": "il"}.get(layout.kind, layout.kind) + "-".join(map(str, layout.counts))
+            + partial)
 
 
 def inv_freq_for(head_dim: int, theta: float = 1e6, device="cpu") -> torch.Tensor:
     """Standard RoPE inverse frequencies [D/2] float32."""
     return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
+def rotary_width(head_dim: int, rotary) -> int:
+    """R, the channels of a head that turn: D, unless `rotary` is a `RotaryLayout` of fewer pairs (partial)."""
+    return rotary.rotary_dim if isinstance(rotary, RotaryLayout) else head_dim
+
+
+def inv_freq_of(head_dim: int, rotary, theta: float = 1e6, device="cpu") -> torch.Tensor:
+    """inv_freq [R/2] float32 of a head of `head_dim` under `rotary` (R = `rotary_width`)."""
+    return inv_freq_for(rotary_width(head_dim, rotary), theta, device)
+
+
+# A negative quiet NaN with a payload, as raw bits per dtype: bytes that neither a rotation (by any angle, zero
+# included) nor a round trip through another float dtype gives back.
+_ODD_NAN = {torch.float64: 0xFFF8_0000_0000_0123 - 2 ** 64, torch.float32: 0xFFC0_0123 - 2 ** 32,
+            torch.float16: 0xFE23 - 2 ** 16, torch.bfloat16: 0xFFC3 - 2 ** 16}
+_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def poison_tail_(x: torch.Tensor, R: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Channels [R, D) of the rows of x [..., D] where `rows` (bool, x.shape[:-1]; default all) is True: every
+    other channel −0.0 and the first a negative NaN with a payload, the rest as they were (so tails still differ
+    from row to row). A partial-rotary kernel must move these bytes as they are: a rotation by angle 0 turns some
+    −0.0 into +0.0, and a round trip through the work dtype may lose the NaN's sign and payload (torch's bf16 does). In
+    place; returns x."""
+    if R >= x.shape[-1]:
+        return x
+    bits = x.view(_INT_OF[x.element_size()])
+    pattern = x[..., R:].clone()
+    pattern[..., 1::2] = -0.0
+    pattern.view(bits.dtype)[..., 0] = _ODD_NAN[x.dtype]
+    keep = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if rows is None else rows
+    bits[..., R:] = torch.where(keep.unsqueeze(-1), pattern.view(bits.dtype), bits[..., R:])
+    return x
+
+
+def assert_tails_equal(got: torch.Tensor, want: torch.Tensor, R: int, copied: torch.Tensor | None = None,
+                       name: str = "keys") -> None:
+    """Channels [R, D) of keys [..., n, D] (partial rotary): byte-equal to want's in the slots where `copied` (bool
+    broadcastable to [..., n]; default all) is True — rows that moved or stayed carry the cache's own bytes — and
+    within want's dtype tolerance elsewhere (summary slots: means). Nothing to check when R = D."""
+    if R >= got.shape[-1]:
+        return
+    got, want = got[..., R:].cpu(), want[..., R:].cpu()
+    copied = torch.ones(got.shape[:-1], dtype=torch.bool) if copied is None else copied.cpu().expand(got.shape[:-1])
+    assert same_bytes(got[copied], want[copied]), \
+        f"{name}: tail channels [{R}, {got.shape[-1] + R}) are not the bytes they should carry"
+    if not bool(copied.all()):
+        assert_close_verbose(got[~copied], want[~copied], name=f"{name} (tail of a summary)")
 
 
 def distinct_attention(L: int, B: int, V: int, generator: torch.Generator, device="cpu") -> torch.Tensor:

@@ -8,6 +8,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 import hermes_kernels
 from hermes_kernels import bindings, native
@@ -54,3 +55,17 @@ def test_a_missing_library_is_named_before_any_call(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     with pytest.raises(RuntimeError, match=f"stce_cpu.c: hermes_stce_rows cannot run: {native.ENV_SWITCH}=0"):
         bindings._function("hermes_stce_rows")
+
+
+def test_compact_rows_refuses_an_axis_map_of_another_width_before_the_call(monkeypatch):
+    """The rotary pair count the C walk turns is the cos / sin table's width: an axis map of another width (or a sin
+    table of another shape) is refused, naming `axis`, before the library is even looked up."""
+    monkeypatch.setattr(bindings, "_function", lambda name: pytest.fail("the C function was reached"))
+    keys = torch.zeros(1, 1, 1, 4, 16)
+    table = torch.ones(3, 4)
+    for axis, sin in ((torch.zeros(8, dtype=torch.int32), table), (torch.zeros(4, dtype=torch.int32), table[:, :2])):
+        with pytest.raises(ValueError, match=r"^axis: expected \[R/2=4\]"):
+            bindings.compact_rows(keys, keys.clone(), 0, torch.zeros(1, 1, 4, dtype=torch.int64),
+                                  torch.zeros(1, 1, 1, 4, dtype=torch.int32), 1, axis, table, sin, 0, 1, 0,
+                                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                                  torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), False)

@@ -30,6 +30,7 @@ from hermes_kernels.policies.hermes.gpu_case import HermesCase
 from hermes_kernels.policies.h2svc import gpu_specs as h2svc_specs
 from hermes_kernels.policies.h2svc import step as step_kernels
 from hermes_kernels.launch import launch, launch_count, recording
+from hermes_kernels.rope import RotaryLayout
 from tests.utils import REPO
 
 ROOT = Path(REPO)
@@ -37,8 +38,10 @@ TARGETS = {"sm_80", "sm_90"}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEADLINE = ("llava-ov-7b", "qwen2.5-vl-7b", "qwen3-vl-8b")
 # rotary layouts the guard compiles at, and their head dims: 1D and contiguous M-RoPE at D = 64 / 128 / 256,
-# interleaved M-RoPE at Qwen3-VL-8B's D = 128
-ROPE_DIMS = {(kind, dim) for kind in ("1d", "sections") for dim in (64, 128, 256)} | {("interleaved", 128)}
+# interleaved M-RoPE at Qwen3-VL-8B's D = 128 and Qwen3.5's D = 256 (partial rotary: R = 64)
+ROPE_DIMS = {(kind, dim) for kind in ("1d", "sections") for dim in (64, 128, 256)} | {("interleaved", 128),
+                                                                                     ("interleaved", 256)}
+PARTIAL = ("qwen3.5", 256, 64)  # (model, D, R) of the partial-rotary cases
 GUARD_TIMEOUT_S = 1200  # a cold run on a loaded 2-core machine; the whole CI must stay under 20 minutes
 
 
@@ -94,6 +97,19 @@ def test_row_moves_are_16_byte_vectors(guard):
                 assert set(row["mix"]["st"]) == {"16"}, f"{_where(row)}: a narrow K/V store: {row['mix']}"
 
 
+def test_partial_rotary_shares_the_compiles_of_full_rotary(guard):
+    """The rotary width is a runtime value of the row movers: every compile a Qwen3.5 (partial rotary, D 256) case
+    makes of `_move_kernel` or `_frame_move_kernel` is one a full-rotary case of the same head dim makes too."""
+    full_256 = {c.label for c in guard_module.spec_cases()
+                if c.geometry.head_dim == PARTIAL[1] and c.rotary.rotary_dim == PARTIAL[1]}
+    for kernel in ("_move_kernel", "_frame_move_kernel"):
+        rows = [row for row in guard["rows"]
+                if row["kernel"] == kernel and any(case.startswith(PARTIAL[0] + " ") for case in row["cases"])]
+        assert {row["target"] for row in rows} == TARGETS, kernel
+        for row in rows:
+            assert full_256 & set(row["cases"]), f"{_where(row)}: no full-rotary case at D = 256 makes this compile"
+
+
 # the approximate instructions a kernel's PTX may hold, by opcode family (docs/gpu.md#rounding): ex2.approx in the
 # softmax of the pooled attention and in the scores' recency; every division and root is correctly rounded (the
 # scores and frame features decide keep sets and STCE evictions: they divide with hermes_kernels.rounding.div_rn)
@@ -116,6 +132,10 @@ def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
     seen = {(c.dtype, c.rotary.kind, c.geometry.head_dim) for c in cases}
     assert seen == {(dtype, kind, dim) for dtype in DTYPES for kind, dim in ROPE_DIMS}
     assert {c.rotary.kind for c in cases if c.label.startswith("qwen3-vl-8b ")} == {"interleaved"}
+    partial = [c for c in cases if c.rotary.rotary_dim < c.geometry.head_dim]
+    assert {(c.label.split()[0], c.geometry.head_dim, c.rotary.rotary_dim) for c in partial} == {PARTIAL}
+    assert {(c.dtype, c.reindex) for c in partial} == {(d, r) for d in DTYPES for r in ("lazy", "eager")}
+    assert all(c.rotary == RotaryLayout.interleaved((11, 11, 10)) and c.inv_freq().shape == (32,) for c in partial)
     for model in HEADLINE:
         at = {(c.cfg.budget, c.reindex) for c in cases if c.label.startswith(model + " ")}
         assert at >= {(b, r) for b in (4000, 6000) for r in ("eager", "lazy", "given")}, model
@@ -132,6 +152,10 @@ def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
         assert at >= {(f, r, d) for f in (16, 8) for r in (False, True)
                       for d in DTYPES}, model
     assert {c.batch for c in cases} == {1, 2}
+    partial = [c for c in cases if c.rotary.rotary_dim < c.geometry.head_dim]
+    assert {(c.label.split()[0], c.geometry.head_dim, c.rotary.rotary_dim) for c in partial} == {PARTIAL}
+    assert {(c.dtype, c.reindexing) for c in partial} == {(d, r) for d in DTYPES for r in (False, True)}
+    assert all(c.inv_freq().shape == (32,) for c in partial)  # [R/2]
     # the default (depth-order) head map: every class has rows, so every block kind is driven
     assert all(not c.cfg.profiled and c.classes == (INSTANT, SHORT, EPISODIC) for c in cases)
     assert guard_module.spec_cases(policies=["hermes"]) == [c for c in guard_module.spec_cases()

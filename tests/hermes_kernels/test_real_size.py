@@ -1,7 +1,8 @@
 """Correctness at real model size, against the references (docs/gpu.md#real-size; `bench/gpu_check.sh` runs the
 "7b" cases on a GPU). Every check is parametrised by size: "small" runs everywhere (on the CPU through the Triton
 interpreter) so the logic is tested on every run; "7b" is the LLaVA-OV-7B (1D RoPE), Qwen2.5-VL-7B (contiguous
-M-RoPE sections) and Qwen3-VL-8B (interleaved sections) geometry and is skipped without CUDA.
+M-RoPE sections), Qwen3-VL-8B (interleaved sections) and Qwen3.5 (its full-attention layers: D 256, partial rotary
+R 64, interleaved [11, 11, 10]; small: D 32, R 8) geometry and is skipped without CUDA.
 
 - HERMES, the whole step (`compress_step`, Triton) with two streams, lazy (crossing the limit, decided on the
   device) and eager re-indexing, fp16 and bf16, every rotary layout: keep sets, length, flag and positions equal
@@ -23,25 +24,27 @@ from hermes_kernels.policies.h2svc import reference as h2svc_ref
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from tests.hermes_kernels.policies.h2svc import test_step as h2svc_cases
 from tests.hermes_kernels.policies.hermes.test_compress_step import run_case as hermes_case
-from tests.utils import DEVICE, INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, same_bytes
-from tests.utils import synthetic_positions
+from tests.utils import DEVICE, INTERLEAVED, PARTIAL, TOL, assert_close_verbose, distinct_attention, inv_freq_for
+from tests.utils import rotary_width, same_bytes, synthetic_positions
 
 F16, BF16 = torch.float16, torch.bfloat16
 SIZES = ["small", pytest.param("7b", marks=pytest.mark.skipif(DEVICE != "cuda", reason="real size: GPU only"))]
-LAYOUTS = ["1d", "sections", "interleaved"]
-MODEL = {"1d": "llava-ov-7b", "sections": "qwen2.5-vl-7b", "interleaved": "qwen3-vl-8b"}
-SMALL_ROTARY = {"1d": None, "sections": (2, 3, 3), "interleaved": INTERLEAVED[16]}
+LAYOUTS = ["1d", "sections", "interleaved", "partial"]
+MODEL = {"1d": "llava-ov-7b", "sections": "qwen2.5-vl-7b", "interleaved": "qwen3-vl-8b", "partial": "qwen3.5"}
+SMALL_ROTARY = {"1d": (16, None), "sections": (16, (2, 3, 3)), "interleaved": (16, INTERLEAVED[16]),
+                "partial": PARTIAL["il"]}  # (D, rotary)
 CHUNK_FRAMES, TOKENS_PER_FRAME, PREFIX, BUDGET = 16, 196, 14, 6000  # a 16-frame chunk of 196-token frames
 
 
 def hermes_geometry(size: str, layout: str, batch: int):
     """(L, B, Hkv, D, P, V, budget, rotary, preset) of one HERMES step: V = budget + one chunk at 7B."""
     if size == "small":
-        return 4, batch, 2, 16, 3, 29, 11, SMALL_ROTARY[layout], "qwen2_5_vl" if layout == "sections" else "llava_ov"
+        D, rotary = SMALL_ROTARY[layout]
+        return 4, batch, 2, D, 3, 29, 11, rotary, "qwen2_5_vl" if layout == "sections" else "llava_ov"
     shape = SHAPES[MODEL[layout]]
     g = shape.geometry
-    return (g.num_layers, batch, g.num_kv_heads, g.head_dim, PREFIX,
-            BUDGET + CHUNK_FRAMES * TOKENS_PER_FRAME, BUDGET, g.rotary, shape.preset_name)
+    return (g.num_layers, batch, g.num_kv_heads, g.head_dim, PREFIX, BUDGET + CHUNK_FRAMES * TOKENS_PER_FRAME, BUDGET,
+            g.rotary, shape.preset_name)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -65,7 +68,8 @@ def h2svc_config(size: str, layout: str) -> H2SVCConfig:
 def h2svc_rope(size: str, layout: str) -> str:
     """The key of test_step.ROPES for the layout at the size's head dim."""
     return {("small", "1d"): "1d", ("small", "sections"): "mrope", ("small", "interleaved"): "il",
-            ("7b", "1d"): "1d128", ("7b", "sections"): "mrope128", ("7b", "interleaved"): "il128"}[(size, layout)]
+            ("small", "partial"): "il-r8", ("7b", "1d"): "1d128", ("7b", "sections"): "mrope128",
+            ("7b", "interleaved"): "il128", ("7b", "partial"): "il256-r64"}[(size, layout)]
 
 
 def tie_free_rows(cfg: H2SVCConfig, case, block) -> torch.Tensor:
@@ -81,8 +85,8 @@ def tie_free_rows(cfg: H2SVCConfig, case, block) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("layout, dtype", [("1d", F16), ("sections", BF16), ("interleaved", F16),
-                                           ("1d", BF16), ("sections", F16), ("interleaved", BF16)],
+@pytest.mark.parametrize("layout, dtype", [("1d", F16), ("sections", BF16), ("interleaved", F16), ("partial", BF16),
+                                           ("1d", BF16), ("sections", F16), ("interleaved", BF16), ("partial", F16)],
                          ids=lambda x: str(x).replace("torch.", ""))
 @pytest.mark.parametrize("cls", [INSTANT, SHORT, EPISODIC], ids=["instant", "short", "episodic"])
 def test_h2svc_triton_step_matches_the_reference(size, layout, dtype, cls):
@@ -101,6 +105,7 @@ def test_h2svc_triton_step_matches_the_reference(size, layout, dtype, cls):
     assert result.held == W
     P, T = cfg.prefix_len, cfg.tokens_per_frame
     home = slice(P, P + W * T)
+    R = rotary_width(*h2svc_cases.ROPES[case.rope])
     atol, rtol = TOL[dtype]
     for name in ("slot_frames", "positions", "values", "keys", "features"):
         want, have = getattr(expected, name), getattr(got, name)
@@ -108,7 +113,8 @@ def test_h2svc_triton_step_matches_the_reference(size, layout, dtype, cls):
             continue
         want, have = want.cpu()[rows], have.cpu()[rows]  # [rows, ...]: the compared rows
         if name == "keys":
-            assert_close_verbose(have[:, home], want[:, home], atol, rtol, "keys (retained, rotated)")
+            assert_close_verbose(have[:, home, :R], want[:, home, :R], atol, rtol, "keys (retained, rotated)")
+            assert same_bytes(have[:, home, R:], want[:, home, R:]), "key tails (partial rotary) differ"
             assert same_bytes(have[:, :P], want[:, :P]), "prefix keys changed"
         elif name == "features":
             assert_close_verbose(have, want, name="features")
@@ -151,6 +157,10 @@ def test_the_sizes_are_the_real_shapes():
     """The 7b geometry is the registry's (bench/shapes.py), a chunk of 16 frames of 196 tokens past the budget."""
     assert hermes_geometry("7b", "1d", 2)[:6] == (28, 2, 4, 128, 14, 6000 + 16 * 196)
     assert hermes_geometry("7b", "interleaved", 2)[:3] == (36, 2, 8)
+    assert hermes_geometry("7b", "partial", 2)[:4] == (8, 2, 4, 256)
+    assert hermes_geometry("7b", "partial", 2)[7].rotary_dim == 64
     cfg = h2svc_config("7b", "sections")
     assert (cfg.window(INSTANT), cfg.window(SHORT), cfg.window(EPISODIC)) == (4, 16, 64)
-    assert all(h2svc_cases.ROPES[h2svc_rope("7b", layout)][0] == 128 for layout in LAYOUTS)
+    assert all(h2svc_cases.ROPES[h2svc_rope("7b", layout)][0] == (256 if layout == "partial" else 128)
+               for layout in LAYOUTS)
+    assert h2svc_cases.ROPES[h2svc_rope("7b", "partial")][1] == SHAPES["qwen3.5"].geometry.rotary

@@ -133,7 +133,8 @@ def check_h2svc_step(keys, values, positions, slot_frames, cfg, cls, inv_freq, r
     Returns the class as an int.
 
     keys/values [H_c, B, C, D] one dtype (fp16/bf16/fp32/fp64) and device, D even; positions int64 [H_c, B, C]
-    or [H_c, B, 3, C] (M-RoPE with rotary); slot_frames int64 [H_c, B, W], W = cfg.window(cls); inv_freq [D/2];
+    or [H_c, B, 3, C] (M-RoPE with rotary); slot_frames int64 [H_c, B, W], W = cfg.window(cls); inv_freq [R/2]
+    (`check_rotary`: R = D, or fewer with an explicit `RotaryLayout`);
     clock a `StreamClock` (its fields checked by itself) with held <= W, C >= P + (held + F)·T_f and, when
     it re-indexes, next_position >= P + min(W, held + F)·T_f.
     features: for EPISODIC a float32 [H_c, B, W, D] tensor (float64 for a float64 cache); None otherwise (ours:

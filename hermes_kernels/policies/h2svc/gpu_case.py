@@ -86,5 +86,5 @@ class H2SVCCase:
                           meta(H, B, *axes, C, dtype=torch.int64), meta(H, B, W, dtype=torch.int64), features)
 
     def inv_freq(self) -> torch.Tensor:
-        """float32 [D/2] rotary inverse frequencies."""
-        return meta(self.geometry.head_dim // 2)
+        """float32 [R/2] rotary inverse frequencies (R = D but for partial rotary)."""
+        return meta(self.rotary.pairs)

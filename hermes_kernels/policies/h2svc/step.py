@@ -18,7 +18,7 @@ One step, every row at once:
     new = P + shift + dense rank among the row's retained values on that axis, shift = (next_position - P) - E,
     E = the largest distinct count over the axes: every row's newest coordinate lands at next_position - 1 (right
     alignment, §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32
-    (`hermes_kernels.rope`).
+    (`hermes_kernels.rope`: channels [0, R) for inv_freq [R/2]; a partial-rotary head keeps [R, D) bit for bit).
 
 The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it reads no
 device tensor on the host (the `StreamClock`: held, F, first_frame, next_position and the re-index decision are the
@@ -260,8 +260,9 @@ def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls
                      rotary: Sequence[int] | RotaryLayout | None, clock: StreamClock,
                      features: torch.Tensor | None) -> int:
     """One H2SVC step on a class block, in place, vectorised over rows and streams; inputs validated (see the
-    module docstring for the state and the steps). Returns held' = min(W, held + F)."""
-    layout = RotaryLayout.of(rotary, keys.shape[-1] // 2)
+    module docstring for the state and the steps). Returns held' = min(W, held + F). inv_freq [R/2]: re-indexed
+    keys turn in channels [0, R) and keep [R, D) bit for bit (partial rotary)."""
+    layout = RotaryLayout.of(rotary, inv_freq.numel())
     work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, clock, features,
                      _features.frame_features_torch, _stce.stce_select_torch)
     _move_rows_torch(keys, values, work, cfg, inv_freq, layout)
@@ -276,12 +277,16 @@ def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls
 # row (and value row, when the item changes slot) once from the source frame slot and writes it to the destination.
 # Sources are the item's own slot or an overflow slot, which no program writes, so programs need no ordering.
 # Values are moved before keys are read, so a thread never holds both tiles. B and J (streams, work items) are
-# runtime values, not specialised, and each pair's M-RoPE axis is read from the layout's axis map (int32 [HALF]):
-# one compile serves every stream count, every held count of a filling memory and every rotary layout.
+# runtime values, not specialised, and each pair's M-RoPE axis is read from the layout's axis map (int32 [HALF_R]):
+# one compile serves every stream count, every held count of a filling memory and every rotary layout. When keys
+# rotate, lane q < HALF_R turns the pair (q, q + HALF_R) (rotate-half over the first R channels) and a partial-rotary
+# head's tail [R, D) is copied as the cache's own bytes (never rotated by angle 0: that turns -0.0 into +0.0), lane q
+# holding (R + q, R + q + HALF - HALF_R); HALF_R is a runtime value, so full and partial rotary share a compile.
+# Every access is a contiguous run of lanes at a scalar offset: 16-byte vectors.
 @triton.jit(do_not_specialize=["B", "J"])
 def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr, axis_ptr,
                        sk_h, sk_b, sk_n, sk_d, sv_h, sv_b, sv_n, sv_d,
-                       B, J, T, P, HALF,
+                       B, J, T, P, HALF, HALF_R,
                        A: tl.constexpr, ROTATE: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_PAIRS: tl.constexpr):
     pid = tl.program_id(0)  # (row, stream, item), item fastest
@@ -307,40 +312,51 @@ def _frame_move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr, 
     tl.store(v_base + dst_row * sv_n + pair[None, :] * sv_d, v1, mask=mask_v)
     tl.store(v_base + dst_row * sv_n + (pair + HALF)[None, :] * sv_d, v2, mask=mask_v)
 
-    # keys: copied, and rotated when re-indexing turns them
+    # keys: the channels that do not turn move as bytes when the item changes slot, lane q holding (first + q,
+    # first + width + q): the whole row without re-indexing, the tail [R, D) of a partial-rotary head with it (none
+    # at full rotary); then, when re-indexing, the rotary pairs turn (copying the tail first keeps the registers of
+    # the rotation free: after it, the step spilled at D = 256 on sm_90, bench/kernels.py)
+    k_base = k_ptr + row.to(tl.int64) * sk_h + stream.to(tl.int64) * sk_b
+    if ROTATE:
+        first, width = 2 * HALF_R, HALF - HALF_R
+    else:
+        first, width = 0, HALF
+    if width > 0:
+        mask_c = (live & moved)[:, None] & (pair < width)[None, :]
+        c1 = tl.load(k_base + src_row * sk_n + (first + pair)[None, :] * sk_d, mask=mask_c, other=0)
+        c2 = tl.load(k_base + src_row * sk_n + (first + width + pair)[None, :] * sk_d, mask=mask_c, other=0)
+        tl.store(k_base + dst_row * sk_n + (first + pair)[None, :] * sk_d, c1, mask=mask_c)
+        tl.store(k_base + dst_row * sk_n + (first + width + pair)[None, :] * sk_d, c2, mask=mask_c)
     if ROTATE:
         # §4: angle = delta·inv_freq from the integer delta of each pair's axis; each axis's delta is converted to
         # the work dtype before the per-pair pick (the same values), so the [token, pair] tile is not int64. The
         # axis map is loaded straight into the tile's layout (a few L1 hits): loaded as a vector and broadcast, it
         # went through shared memory and spilled at D = 256 on sm_90 (bench/kernels.py)
-        inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
+        turns = pair < HALF_R
+        inv_freq = tl.load(inv_freq_ptr + pair, mask=turns, other=0)
         delta_row = delta_ptr + row_stream.to(tl.int64) * A * J * T + item * T + token
         d0 = tl.load(delta_row, mask=live, other=0).to(WORK)
         if A == 3:
             d1 = tl.load(delta_row + J * T, mask=live, other=0).to(WORK)
             d2 = tl.load(delta_row + 2 * J * T, mask=live, other=0).to(WORK)
-            axis = tl.load(axis_ptr + pair[None, :] + 0 * token[:, None], mask=in_dim[None, :], other=0)
+            axis = tl.load(axis_ptr + pair[None, :] + 0 * token[:, None], mask=turns[None, :], other=0)
             turned = (d0 != 0) | (d1 != 0) | (d2 != 0)
             delta = tl.where(axis == 0, d0[:, None], tl.where(axis == 1, d1[:, None], d2[:, None]))
         else:
             turned = d0 != 0
             delta = d0[:, None]
-    else:
-        turned = token < 0
-    k_base = k_ptr + row.to(tl.int64) * sk_h + stream.to(tl.int64) * sk_b
-    mask_k = (live & (moved | turned))[:, None] & in_dim[None, :]
-    k1 = tl.load(k_base + src_row * sk_n + pair[None, :] * sk_d, mask=mask_k, other=0)
-    k2 = tl.load(k_base + src_row * sk_n + (pair + HALF)[None, :] * sk_d, mask=mask_k, other=0)
-    if ROTATE:
+        mask_k = (live & (moved | turned))[:, None] & turns[None, :]
+        k1 = tl.load(k_base + src_row * sk_n + pair[None, :] * sk_d, mask=mask_k, other=0)
+        k2 = tl.load(k_base + src_row * sk_n + (pair + HALF_R)[None, :] * sk_d, mask=mask_k, other=0)
         angle = delta * inv_freq[None, :]
         cos = tl.cos(angle)
         sin = tl.sin(angle)
         w1 = k1.to(WORK)
         w2 = k2.to(WORK)
-        k1 = (w1 * cos - w2 * sin).to(k_ptr.dtype.element_ty)
-        k2 = (w2 * cos + w1 * sin).to(k_ptr.dtype.element_ty)
-    tl.store(k_base + dst_row * sk_n + pair[None, :] * sk_d, k1, mask=mask_k)
-    tl.store(k_base + dst_row * sk_n + (pair + HALF)[None, :] * sk_d, k2, mask=mask_k)
+        tl.store(k_base + dst_row * sk_n + pair[None, :] * sk_d, (w1 * cos - w2 * sin).to(k_ptr.dtype.element_ty),
+                 mask=mask_k)
+        tl.store(k_base + dst_row * sk_n + (pair + HALF_R)[None, :] * sk_d,
+                 (w2 * cos + w1 * sin).to(k_ptr.dtype.element_ty), mask=mask_k)
 
 
 def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, layout: RotaryLayout) -> None:
@@ -369,7 +385,7 @@ def _move_rows_triton(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, l
     block_t = min(triton.next_power_of_2(T), max(1, _TILE_BYTES // (block_pairs * element)))
     launch(_frame_move_kernel, (H * B * J, triton.cdiv(T, block_t)), keys, values, source, destination, delta,
            inv_freq.to(device=keys.device, dtype=arith), layout.axis_tensor(keys.device), *keys.stride(),
-           *values.stride(), B, J, T, P, half, A=layout.num_axes, ROTATE=rotate, WORK=TRITON_WORK[arith],
+           *values.stride(), B, J, T, P, half, layout.pairs, A=layout.num_axes, ROTATE=rotate, WORK=TRITON_WORK[arith],
            BLOCK_T=block_t, BLOCK_PAIRS=block_pairs)
 
 
@@ -378,7 +394,7 @@ def h2svc_step_triton(keys, values, positions, slot_frames, cfg: H2SVCConfig, cl
                       features: torch.Tensor | None) -> int:
     """`h2svc_step_torch` with the features, the STCE walk and the row work as Triton launches (3 for an
     EPISODIC block, 1 for a FIFO block, none when nothing moves); the plan is torch ops, no host sync."""
-    layout = RotaryLayout.of(rotary, keys.shape[-1] // 2)
+    layout = RotaryLayout.of(rotary, inv_freq.numel())
     work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, clock, features,
                      _features.frame_features_triton, _stce.stce_select_triton)
     _move_rows_triton(keys, values, work, cfg, inv_freq, layout)

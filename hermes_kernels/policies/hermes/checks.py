@@ -106,7 +106,8 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
                 inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None,
                 layers: range | None = None) -> RotaryLayout:
     """keys/values [L,B,Hkv,N,D] one dtype and device, positions int64 [L,B,N] or [L,B,3,N] (M-RoPE),
-    inv_freq [D/2], rotary a description of D/2 pairs (`RotaryLayout.of`); N > prefix_len. L = len(layers),
+    inv_freq [R/2] and rotary as `check_rotary` takes them (R = D, or fewer with an explicit `RotaryLayout`:
+    partial rotary); N > prefix_len. L = len(layers),
     the layers of cfg the tensors hold (default all: cfg.num_layers); `layers` must have passed `check_layers`.
     Returns the rotary layout."""
     _config(cfg)

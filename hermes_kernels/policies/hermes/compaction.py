@@ -2,7 +2,8 @@
 
 For every (layer, stream): the kept visual tokens (`keep`, ascending) move to slots P..P+n_l-1 (the prefix stays),
 their positions become P + dense rank among the retained values of each axis when re-indexing, their keys are
-rotated by (p_new - p_old)·inv_freq, and deep layers that pruned something get a summary token at slot P+n_l
+rotated by (p_new - p_old)·inv_freq (the first R channels, inv_freq [R/2]; a partial-rotary head's channels [R, D)
+move bit for bit), and deep layers that pruned something get a summary token at slot P+n_l
 (mean of the pruned values; mean of the pruned keys each rotated to the target t = max retained position + 1).
 
 The re-indexing decision (`reindexed`) stays a 0-dim bool tensor on the cache's device and is applied
@@ -94,7 +95,9 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     """Vectorised PyTorch compaction, in place; same result as `reference.compact` (Alg. 1, appendix E).
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64 (any strides); positions: int64 [L, B, N] (1D) or
-    [L, B, 3, N] (M-RoPE); rotary: what `RotaryLayout.of` takes (each pair's axis comes from it); keep: int64
+    [L, B, 3, N] (M-RoPE); inv_freq [R/2], R <= D; rotary: what `RotaryLayout.of` takes for inv_freq's R/2 pairs
+    (each pair's axis comes from it; the ops' checks take R < D, partial rotary, only from an explicit layout);
+    keys turn in channels [0, R) and keep [R, D) bit for bit; keep: int64
     [L, B, n] from `select_keep` (ascending, -1 padded: only deep layers with summary on carry one -1, exactly in the
     column of their summary slot). Arithmetic in fp32 (fp64 caches: fp64).
     layers: the config's layers the tensors hold (L = len(layers); default all); reindexed: 0-dim bool on the
@@ -113,7 +116,7 @@ def compact_torch(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     layers = range(L) if layers is None else layers
     in_c = rows_native.use_native(native, keys, values)  # the CPU C walk, with the counting dense rank of CPU tensors
     flag = decide_reindex([positions], cfg, keys.device) if reindexed is None else reindexed
-    layout = RotaryLayout.of(rotary, D // 2)
+    layout = RotaryLayout.of(rotary, inv_freq.numel())
     pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
 

@@ -232,38 +232,17 @@ def _plan_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, role_ptr, 
         tl.store(row + a * sp_a + (P + n_keep).to(tl.int64) * sp_n, target, mask=summarise)
 
 
-# One program per (layer, stream, KV head, channel group) walks source tokens left to right in tiles of BLOCK_T:
-# loads the K/V rows it needs (moved, rotated, or pruned in a summarising layer) once, and after a barrier stores
-# the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is safe. Each
-# frequency pair's M-RoPE axis is read from the layout's axis map (int32 [HALF], `RotaryLayout.axis_tensor`), so
-# contiguous and interleaved sections of every head dim share one compile.
+# The token walk of one move-kernel program over its channel lanes (`_move_kernel`): tiles of BLOCK_T source tokens
+# left to right; loads the K/V rows it needs (moved, rotated, or pruned in a summarising layer) once, and after a
+# barrier stores the moved rows at slots <= their sources; later tiles only read slots past this one, so in-place is
+# safe. TURN: the lanes are rotary pairs, whose keys turn by delta·inv_freq; otherwise they carry a partial-rotary
+# head's tail, whose keys move as the cache's own bytes (never rotated by angle 0: that turns -0.0 into +0.0) and
+# enter the summary unrotated. Returns the summary sums of the pruned rows' keys and values, per lane.
 @triton.jit
-def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, axis_ptr, budget_ptr, role_ptr,
-                 sk_l, sk_b, sk_h, sk_n, sk_d, sv_l, sv_b, sv_h, sv_n, sv_d,
-                 B, Hkv, P, V, HALF, summary_role,
-                 A: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
-    pid = tl.program_id(0)  # (layer, stream, head), head fastest
-    head = pid % Hkv
-    row = pid // Hkv
-    layer = row // B
-    stream = row % B
-    n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
-    summarise = (tl.load(role_ptr + layer) == summary_role) & (V > n_keep)
-
-    pair = tl.program_id(1) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
-    in_dim = pair < HALF
-    inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
-    if A == 3:
-        axis = tl.load(axis_ptr + pair, mask=in_dim, other=0)  # the M-RoPE axis of each pair
-    k_base = k_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
-    v_base = v_ptr + layer.to(tl.int64) * sv_l + stream.to(tl.int64) * sv_b + head.to(tl.int64) * sv_h
-    k_col1 = pair[None, :] * sk_d
-    k_col2 = (pair + HALF)[None, :] * sk_d
-    v_col1 = pair[None, :] * sv_d
-    v_col2 = (pair + HALF)[None, :] * sv_d
-    dest_row = dest_ptr + row.to(tl.int64) * V
-    delta_row = delta_ptr + row.to(tl.int64) * A * V
-
+def _walk_tokens(k_base, v_base, dest_row, delta_row, inv_freq, axis, k_col1, k_col2, v_col1, v_col2, in_dim,
+                 sk_n, sv_n, P, V, summarise,
+                 A: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+                 TURN: tl.constexpr):
     sum_k1 = tl.zeros([BLOCK_PAIRS], WORK)
     sum_k2 = tl.zeros([BLOCK_PAIRS], WORK)
     sum_v1 = tl.zeros([BLOCK_PAIRS], WORK)
@@ -273,32 +252,37 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, axis_ptr, budg
         slot = tl.load(dest_row + j, mask=j < V, other=-1)
         kept = slot >= 0
         pruned = tl.where(summarise, (j < V) & (slot < 0), False)  # only summarising layers read them
-        needed = kept | pruned
-        # §2.8: angle = delta·inv_freq in the work dtype from the integer delta of each pair's axis
-        d0 = tl.load(delta_row + j, mask=needed, other=0)
-        if A == 3:
-            d1 = tl.load(delta_row + V + j, mask=needed, other=0)
-            d2 = tl.load(delta_row + 2 * V + j, mask=needed, other=0)
-            rotated = (d0 != 0) | (d1 != 0) | (d2 != 0)
-            delta = tl.where(axis[None, :] == 0, d0[:, None],
-                             tl.where(axis[None, :] == 1, d1[:, None], d2[:, None]))
+        if TURN:
+            # §2.8: angle = delta·inv_freq in the work dtype from the integer delta of each pair's axis
+            needed = kept | pruned
+            d0 = tl.load(delta_row + j, mask=needed, other=0)
+            if A == 3:
+                d1 = tl.load(delta_row + V + j, mask=needed, other=0)
+                d2 = tl.load(delta_row + 2 * V + j, mask=needed, other=0)
+                rotated = (d0 != 0) | (d1 != 0) | (d2 != 0)
+                delta = tl.where(axis[None, :] == 0, d0[:, None],
+                                 tl.where(axis[None, :] == 1, d1[:, None], d2[:, None]))
+            else:
+                rotated = d0 != 0
+                delta = d0[:, None]
+            angle = delta.to(WORK) * inv_freq[None, :]
+            cos = tl.cos(angle)
+            sin = tl.sin(angle)
+            move_k = kept & ((slot != j) | rotated)
         else:
-            rotated = d0 != 0
-            delta = d0[:, None]
-        angle = delta.to(WORK) * inv_freq[None, :]
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-        move_k = kept & ((slot != j) | rotated)
+            move_k = kept & (slot != j)
         move_v = kept & (slot != j)
         src = (P + j).to(tl.int64)[:, None]
         mask_k = (move_k | pruned)[:, None] & in_dim[None, :]
         mask_v = (move_v | pruned)[:, None] & in_dim[None, :]
-        k1 = tl.load(k_base + src * sk_n + k_col1, mask=mask_k, other=0).to(WORK)
-        k2 = tl.load(k_base + src * sk_n + k_col2, mask=mask_k, other=0).to(WORK)
+        k1 = tl.load(k_base + src * sk_n + k_col1, mask=mask_k, other=0)
+        k2 = tl.load(k_base + src * sk_n + k_col2, mask=mask_k, other=0)
         v1 = tl.load(v_base + src * sv_n + v_col1, mask=mask_v, other=0)
         v2 = tl.load(v_base + src * sv_n + v_col2, mask=mask_v, other=0)
-        r1 = k1 * cos - k2 * sin
-        r2 = k2 * cos + k1 * sin
+        r1 = k1.to(WORK)
+        r2 = k2.to(WORK)
+        if TURN:
+            r1, r2 = r1 * cos - r2 * sin, r2 * cos + r1 * sin
         # Alg. 1: pruned keys rotated to the summary target (their delta is t - p_old) and pruned values, summed
         fold = pruned[:, None]
         sum_k1 += tl.sum(tl.where(fold, r1, 0), axis=0)
@@ -309,10 +293,63 @@ def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, axis_ptr, budg
         dst = (P + slot).to(tl.int64)[:, None]
         store_k = move_k[:, None] & in_dim[None, :]
         store_v = move_v[:, None] & in_dim[None, :]
-        tl.store(k_base + dst * sk_n + k_col1, r1.to(k_ptr.dtype.element_ty), mask=store_k)
-        tl.store(k_base + dst * sk_n + k_col2, r2.to(k_ptr.dtype.element_ty), mask=store_k)
+        if TURN:
+            tl.store(k_base + dst * sk_n + k_col1, r1.to(k1.dtype), mask=store_k)
+            tl.store(k_base + dst * sk_n + k_col2, r2.to(k2.dtype), mask=store_k)
+        else:  # the tail: the loaded bytes themselves
+            tl.store(k_base + dst * sk_n + k_col1, k1, mask=store_k)
+            tl.store(k_base + dst * sk_n + k_col2, k2, mask=store_k)
         tl.store(v_base + dst * sv_n + v_col1, v1, mask=store_v)
         tl.store(v_base + dst * sv_n + v_col2, v2, mask=store_v)
+    return sum_k1, sum_k2, sum_v1, sum_v2
+
+
+# One program per (layer, stream, KV head, channel group) walks its lanes' channels over the tokens (`_walk_tokens`)
+# and writes the summary means. Channel groups (rotate-half, docs/hermes.md §2.8): the first cdiv(HALF_R,
+# BLOCK_PAIRS) groups hold the R/2 rotary pairs, lane q the channels (q, q + HALF_R); the others (partial rotary,
+# R < D) the tail, lane q the channels (R + q, R + q + HALF - HALF_R). Values move with the same lanes, all D
+# channels. Each group's channels sit at a scalar offset from its lanes, so row accesses stay contiguous vectors;
+# HALF_R is a runtime value, so full rotary (HALF_R = HALF: rotary groups only) and partial rotary share one compile.
+# Each pair's M-RoPE axis is read from the layout's axis map (int32 [HALF_R], `RotaryLayout.axis_tensor`), so
+# contiguous and interleaved sections of every head dim share one compile too.
+@triton.jit
+def _move_kernel(k_ptr, v_ptr, dest_ptr, delta_ptr, inv_freq_ptr, axis_ptr, budget_ptr, role_ptr,
+                 sk_l, sk_b, sk_h, sk_n, sk_d, sv_l, sv_b, sv_h, sv_n, sv_d,
+                 B, Hkv, P, V, HALF, HALF_R, summary_role,
+                 A: tl.constexpr, WORK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    pid = tl.program_id(0)  # (layer, stream, head), head fastest
+    head = pid % Hkv
+    row = pid // Hkv
+    layer = row // B
+    stream = row % B
+    n_keep = tl.minimum(tl.load(budget_ptr + layer), V).to(tl.int32)
+    summarise = (tl.load(role_ptr + layer) == summary_role) & (V > n_keep)
+
+    group = tl.program_id(1)
+    rotary_groups = tl.cdiv(HALF_R, BLOCK_PAIRS)
+    turning = group < rotary_groups  # this group's lanes are rotary pairs, or carry the tail
+    pair = tl.where(turning, group, group - rotary_groups) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    width = tl.where(turning, HALF_R, HALF - HALF_R)  # lanes of this part; also the gap between a lane's channels
+    in_dim = pair < width
+    channel = tl.where(turning, 0, 2 * HALF_R) + pair  # the lane's first channel; its second is `width` further
+    k_base = k_ptr + layer.to(tl.int64) * sk_l + stream.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
+    v_base = v_ptr + layer.to(tl.int64) * sv_l + stream.to(tl.int64) * sv_b + head.to(tl.int64) * sv_h
+    k_col1 = channel[None, :] * sk_d
+    k_col2 = (channel + width)[None, :] * sk_d
+    v_col1 = channel[None, :] * sv_d
+    v_col2 = (channel + width)[None, :] * sv_d
+    dest_row = dest_ptr + row.to(tl.int64) * V
+    delta_row = delta_ptr + row.to(tl.int64) * A * V
+    if turning:
+        inv_freq = tl.load(inv_freq_ptr + pair, mask=in_dim, other=0)
+        axis = tl.load(axis_ptr + pair, mask=in_dim & (A == 3), other=0)  # each pair's M-RoPE axis (1D: unread)
+        sum_k1, sum_k2, sum_v1, sum_v2 = _walk_tokens(
+            k_base, v_base, dest_row, delta_row, inv_freq, axis, k_col1, k_col2, v_col1, v_col2, in_dim, sk_n,
+            sv_n, P, V, summarise, A, WORK, BLOCK_T, BLOCK_PAIRS, True)
+    else:
+        sum_k1, sum_k2, sum_v1, sum_v2 = _walk_tokens(
+            k_base, v_base, dest_row, delta_row, None, None, k_col1, k_col2, v_col1, v_col2, in_dim, sk_n,
+            sv_n, P, V, summarise, A, WORK, BLOCK_T, BLOCK_PAIRS, False)
 
     if summarise:
         # Alg. 1: the means go to slot P + n_l, right after the kept tokens
@@ -333,11 +370,13 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64, any strides (e.g. `buffer[..., :N, :]` views);
     positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE, each pair's axis from `RotaryLayout.of(rotary)`);
+    inv_freq [R/2], R <= D: channels [0, R) of a key turn, [R, D) move bit for bit (partial rotary);
     keep: int64 [L, B, n] from `select_keep`.
     layers: the config's layers the tensors hold (L = len(layers); default all): the kernels read those layers'
     budgets and roles. reindexed: 0-dim bool on the cache's device, read by the plan kernel instead of the
     config's decision (default: decided on the device from these positions).
-    Launches: rank (grid L·B·A), plan (grid L·B), move (grid L·B·Hkv × channel groups); O(L·B·A·V) int scratch.
+    Launches: rank (grid L·B·A), plan (grid L·B), move (grid L·B·Hkv × channel groups: the rotary pairs', then the
+    tail's); O(L·B·A·V) int scratch.
     Returns (P + min(budget, V), the flag used: 0-dim bool on the cache's device); no host synchronisation.
     """
     L, B, Hkv, N, D = keys.shape
@@ -346,7 +385,7 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     device = keys.device
     work = work_dtype(keys)
     half = D // 2
-    layout = RotaryLayout.of(rotary, half)
+    layout = RotaryLayout.of(rotary, inv_freq.numel())
     pos = positions if layout.num_axes == 3 else positions.unsqueeze(2)  # [L, B, A, N] view
     A = pos.shape[2]
     per_layer = cfg.on(device)
@@ -372,7 +411,8 @@ def compact_triton(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
            flag, *pos.stride(), *keep.stride(), B, P, V, n, L * B * A, cfg.max_positions - cfg.margin,
            summary_role, A=A, TRIGGER=trigger, CHUNK=chunk)
     block_pairs = min(32, triton.next_power_of_2(half))
-    launch(_move_kernel, (L * B * Hkv, triton.cdiv(half, block_pairs)), keys, values, dest, delta, inv,
+    groups = triton.cdiv(layout.pairs, block_pairs) + triton.cdiv(half - layout.pairs, block_pairs)
+    launch(_move_kernel, (L * B * Hkv, groups), keys, values, dest, delta, inv,
            layout.axis_tensor(device), budget, role, *keys.stride(), *values.stride(), B, Hkv, P, V, half,
-           summary_role, A=A, WORK=TRITON_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
+           layout.pairs, summary_role, A=A, WORK=TRITON_WORK[work], BLOCK_T=_MOVE_TOKENS, BLOCK_PAIRS=block_pairs)
     return P + min(cfg.budget, V), flag

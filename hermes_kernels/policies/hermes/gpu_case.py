@@ -79,8 +79,8 @@ class HermesCase:
         return self.empty(self.geometry.num_layers, self.batch, kept, dtype=torch.int64)
 
     def inv_freq(self) -> torch.Tensor:
-        """float32 [D/2] rotary inverse frequencies."""
-        return self.empty(self.geometry.head_dim // 2)
+        """float32 [R/2] rotary inverse frequencies (R = D but for partial rotary)."""
+        return self.empty(self.rotary.pairs)
 
     def reindexed(self) -> torch.Tensor | None:
         """The caller's 0-dim bool re-index decision when `reindex` is "given", else None."""

@@ -95,7 +95,7 @@ def compress_stacks(stacks: Sequence[tuple[range, torch.Tensor, torch.Tensor, to
 
     stacks: (layers, keys, values, positions, inv_freq) per stack, in layer order: `layers` a range of the config's
         layers that the stack holds (the ranges cover [0, L) without gaps), keys/values [len(layers), B, Hkv, N, D],
-        positions int64 [len(layers), B, N] or [len(layers), B, 3, N], inv_freq [D/2]; each stack on its own
+        positions int64 [len(layers), B, N] or [len(layers), B, 3, N], inv_freq [R/2]; each stack on its own
         device (several stacks may share one).
     attn: float32 [L, B, N - prefix_len] pooled guidance attention, on any device.
     Every stack and attn are checked before anything is written on any device. Scores and keep are computed once

@@ -164,7 +164,8 @@ def compress_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
 
     keys/values: [L, B, Hkv, N, D] fp16/bf16/fp32/fp64; positions: int64 [L, B, N] or [L, B, 3, N] (M-RoPE:
     `rotary` three contiguous pair counts or a `RotaryLayout`); attn: float32 [L, B, N - P] pooled guidance
-    attention; inv_freq: [D/2] from the model's rotary module. All inputs are checked before anything is written.
+    attention; inv_freq: [R/2] from the model's rotary module (R = D, or fewer with an explicit `RotaryLayout`:
+    partial rotary, channels [R, D) never turn). All inputs are checked before anything is written.
     """
     layout = check_compress(keys, values, positions, attn, cfg, inv_freq, rotary)
     scores = hermes_scores(attn, cfg)

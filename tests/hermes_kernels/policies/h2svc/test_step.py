@@ -27,7 +27,8 @@ from hermes_kernels.policies.h2svc import reference as ref
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 from hermes_kernels.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
-from tests.utils import INTERLEAVED, TOL, assert_close_verbose, inv_freq_for, require_c_library, same_bytes
+from tests.utils import INTERLEAVED, PARTIAL, QWEN3_5_ROTARY, TOL, assert_close_verbose, inv_freq_for, inv_freq_of
+from tests.utils import poison_tail_, require_c_library, rotary_width, same_bytes
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -35,10 +36,13 @@ MARGIN = 1e-3
 SPARE = 3  # buffer slots past C in "view" layouts, NaN / poison, checked untouched
 POSITION_POISON = -(2 ** 40)
 # (D, rotary): 1D, contiguous sections (Qwen2.5-VL) and interleaved ones (Qwen3-VL, "il"); D = 8 and 12:
-# rows of 16 and 48 bytes, not whole 32-byte vectors (the C walk must not stream-store them)
+# rows of 16 and 48 bytes, not whole 32-byte vectors (the C walk must not stream-store them); partial rotary
+# (Qwen3.5, "-r": channels [R, D) never turn, their bytes poisoned with −0.0 and a NaN): the tiny model's D 32, R 8
+# interleaved, a 1D D 16, R 8 and the published D 256, R 64
 ROPES = {"1d": (16, None), "mrope": (16, (2, 3, 3)), "mrope128": (128, (16, 24, 24)), "1d-d8": (8, None),
          "mrope-d12": (12, (2, 2, 2)), "il": (16, INTERLEAVED[16]), "il128": (128, INTERLEAVED[128]),
-         "il-d12": (12, INTERLEAVED[12]), "il-d8": (8, INTERLEAVED[8]), "1d128": (128, None)}
+         "il-d12": (12, INTERLEAVED[12]), "il-d8": (8, INTERLEAVED[8]), "1d128": (128, None),
+         "il-r8": PARTIAL["il"], "1d-r8": PARTIAL["1d"], "il256-r64": (256, QWEN3_5_ROTARY)}
 # 2 layers x 3 KV heads: 1 instant, 2 short, 3 episodic rows (default depth map); windows 2 / 3 / 4 frames
 CONFIG = dict(num_layers=2, num_kv_heads=3, prefix_len=3, tokens_per_frame=4, instant_frames=2, short_frames=3,
               episodic_frames=4)
@@ -93,6 +97,14 @@ CASES = [
     Case(SHORT, 2, 2, "il-d8", True, BF16, "contiguous"),
     Case(INSTANT, 2, 5, "il-d12", True, F32, "contiguous"),
     Case(INSTANT, 2, 1, "il128", True, F32, "view"),
+    # partial rotary (Qwen3.5): every class, re-indexing on and off, every cache dtype
+    Case(EPISODIC, 4, 6, "il-r8", True, BF16, "contiguous"),
+    Case(EPISODIC, 3, 2, "il-r8", False, F32, "view"),
+    Case(EPISODIC, 0, 1, "1d-r8", True, F64, "view"),
+    Case(SHORT, 3, 2, "il-r8", True, F16, "view"),
+    Case(SHORT, 2, 5, "1d-r8", True, F32, "contiguous"),
+    Case(INSTANT, 2, 5, "il-r8", True, F32, "contiguous"),
+    Case(INSTANT, 1, 1, "1d-r8", False, BF16, "view"),
 ]
 
 
@@ -149,7 +161,7 @@ def make_block(cfg: H2SVCConfig, case: Case, seed: int) -> Block:
     g = torch.Generator().manual_seed(seed)
     W, P, T = cfg.window(case.cls), cfg.prefix_len, cfg.tokens_per_frame
     D, section = ROPES[case.rope]
-    mrope = section is not None
+    mrope = section is not None and RotaryLayout.of(section, rotary_width(D, section) // 2).num_axes == 3
     H, B, held, F = cfg.num_rows(case.cls), case.B, case.held, case.chunk
     C = P + (held + F) * T + 2  # two spare slots inside the block, as a cache has room for the question
     first_frame = 2 * W + 3
@@ -174,10 +186,11 @@ def make_block(cfg: H2SVCConfig, case: Case, seed: int) -> Block:
     next_position = incoming + F * T
     if case.reindex:  # any shared next position >= P + held'·T works; this one re-numbers most tokens
         next_position = P + min(W, held + F) * T + int(torch.randint(0, 6, (), generator=g))
-    inv_freq = inv_freq_for(D)
+    inv_freq = inv_freq_of(D, section)
     raw = torch.randn(H, B, C, D, generator=g).to(F64 if case.dtype == F64 else F32)
     pos = positions if mrope else positions[:, :, 0]
-    keys = apply_rotary_delta(raw, pos.clamp(min=0), inv_freq, section).to(case.dtype)
+    keys = poison_tail_(apply_rotary_delta(raw, pos.clamp(min=0), inv_freq, section).to(case.dtype),
+                        rotary_width(D, section))
     values = torch.randn(H, B, C, D, generator=g).to(case.dtype)
     features = None
     if case.cls == EPISODIC:
@@ -200,7 +213,7 @@ def make_block(cfg: H2SVCConfig, case: Case, seed: int) -> Block:
 def step_args(cfg: H2SVCConfig, case: Case, block: Block) -> tuple[tuple, dict]:
     D, section = ROPES[case.rope]
     args = (block.keys, block.values, block.positions, block.slot_frames, cfg, case.cls,
-            inv_freq_for(D, device=DEVICE), section)
+            inv_freq_of(D, section, device=DEVICE), section)
     clock = StreamClock(held=case.held, num_frames=case.chunk, first_frame=block.first_frame,
                         reindexed=torch.tensor(case.reindex), next_position=block.next_position)
     return args, dict(clock=clock, features=block.features)
@@ -234,19 +247,26 @@ def poison_evicted(cfg: H2SVCConfig, case: Case, block: Block) -> None:
         block.values[h, b, P + s * T:P + (s + 1) * T] = float("nan")
 
 
-def expected_rope_keys(cfg: H2SVCConfig, case: Case, block: Block, after: Block, held_after: int) -> torch.Tensor:
-    """The model's own RoPE of each retained token's raw key at its new position: [H_c, B, held'·T, D]."""
+def source_tokens(cfg: H2SVCConfig, case: Case, block: Block, after: Block, held_after: int) -> torch.Tensor:
+    """int64 [H_c, B, held'·T]: the slot each retained token was in before the step (found by frame index)."""
     P, T = cfg.prefix_len, cfg.tokens_per_frame
-    D, section = ROPES[case.rope]
     source_slot = torch.empty(after.slot_frames.shape[:2] + (held_after,), dtype=torch.int64)
     frame_in_slot = torch.cat([block.slot_frames[..., :case.held].cpu(),
                                (block.first_frame + torch.arange(case.chunk)).expand(*source_slot.shape[:2], -1)], -1)
     for h, b, s in itertools.product(*map(range, source_slot.shape)):
         source_slot[h, b, s] = int((frame_in_slot[h, b] == after.slot_frames[h, b, s].cpu()).nonzero())
-    tokens = (P + source_slot.unsqueeze(-1) * T + torch.arange(T)).flatten(-2)
+    return (P + source_slot.unsqueeze(-1) * T + torch.arange(T)).flatten(-2)
+
+
+def expected_rope_keys(cfg: H2SVCConfig, case: Case, block: Block, after: Block, held_after: int) -> torch.Tensor:
+    """The model's own RoPE of each retained token's raw key at its new position: [H_c, B, held'·T, D] (its rotary
+    channels: a partial-rotary key's tail is the poisoned cache bytes, not the raw key's)."""
+    P, T = cfg.prefix_len, cfg.tokens_per_frame
+    D, section = ROPES[case.rope]
+    tokens = source_tokens(cfg, case, block, after, held_after)
     raw = block.raw.gather(2, tokens.unsqueeze(-1).expand(-1, -1, -1, D))
     new = after.positions[..., P:P + held_after * T].cpu()
-    return apply_rotary_delta(raw, new, inv_freq_for(D), section).to(case.dtype)
+    return apply_rotary_delta(raw, new, inv_freq_of(D, section), section).to(case.dtype)
 
 
 def run_case(cfg: H2SVCConfig, case: Case, backend: str, seed: int) -> None:
@@ -268,15 +288,17 @@ def run_case(cfg: H2SVCConfig, case: Case, backend: str, seed: int) -> None:
     assert torch.equal(got.positions.cpu(), expected.positions.cpu()), "positions differ"
     assert same_bytes(got.values, expected.values), "values are not bit-exact copies"
     home = slice(P, P + held_after * T)
+    R = rotary_width(*ROPES[case.rope])
     if case.reindex:
         atol, rtol = TOL[case.dtype]
-        assert_close_verbose(got.keys[:, :, home].cpu(), expected.keys[:, :, home].cpu(), atol, rtol, "keys")
+        assert_close_verbose(got.keys[:, :, home, :R].cpu(), expected.keys[:, :, home, :R].cpu(), atol, rtol, "keys")
+        assert same_bytes(got.keys[:, :, home, R:], expected.keys[:, :, home, R:]), "key tails differ"
         assert same_bytes(got.keys[:, :, :P], expected.keys[:, :, :P]), "prefix keys changed"
         assert same_bytes(got.keys[:, :, home.stop:], expected.keys[:, :, home.stop:])
     else:
         assert same_bytes(got.keys, expected.keys), "keys changed although nothing was re-indexed"
-    assert not got.keys[:, :, home].isnan().any() and not got.values[:, :, home].isnan().any(), \
-        "a home slot still holds a poisoned (evicted) row"
+    assert not got.keys[:, :, home, :R].isnan().any() and not got.values[:, :, home].isnan().any(), \
+        "a home slot still holds a poisoned (evicted) row"  # (a partial-rotary tail holds NaN of its own)
     if case.cls == EPISODIC:
         assert_close_verbose(got.features[:, :, :held_after].cpu(), expected.features[:, :, :held_after].cpu(),
                              name="features")
@@ -295,8 +317,16 @@ def run_case(cfg: H2SVCConfig, case: Case, backend: str, seed: int) -> None:
         assert (retained.amin(dim=-1) >= P).all() and torch.equal(pos[..., :P], torch.arange(P).expand_as(pos[..., :P]))
         # keys are the model's own RoPE at the new positions
         atol, rtol = TOL[case.dtype]
-        assert_close_verbose(got.keys[:, :, home].cpu(), expected_rope_keys(cfg, case, block, got, held_after),
-                             atol, rtol, "keys vs RoPE at the new positions")
+        assert_close_verbose(got.keys[:, :, home, :R].cpu(),
+                             expected_rope_keys(cfg, case, block, got, held_after)[..., :R], atol, rtol,
+                             "keys vs RoPE at the new positions")
+    if R < got.keys.shape[-1]:
+        # partial rotary, without the reference: each retained key's tail is its source slot's bytes
+        tokens = source_tokens(cfg, case, block, got, held_after)
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[block.keys.element_size()]  # bf16 gathers rewrite NaN
+        moved = block.keys.cpu().view(bits).gather(2, tokens.unsqueeze(-1).expand(-1, -1, -1, block.keys.shape[-1]))
+        assert same_bytes(got.keys[:, :, home, R:].cpu().view(bits), moved[..., R:]), \
+            "a retained key's tail is not the bytes of its source's tail"
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

@@ -23,8 +23,9 @@ from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import RotaryLayout, rotary_cos_sin
 from hermes_kernels.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
-from tests.utils import (INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, require_c_library,
-                         rope_id, synthetic_positions)
+from tests.utils import (INTERLEAVED, PARTIAL, QWEN3_5_ROTARY, TOL, assert_close_verbose, assert_tails_equal,
+                         distinct_attention, inv_freq_for, inv_freq_of, poison_tail_, require_c_library, rope_id,
+                         rotary_width, same_bytes, synthetic_positions)
 
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
@@ -51,7 +52,17 @@ class Case:
     @property
     def id(self) -> str:
         return (f"{self.preset}-L{self.L}B{self.B}Hkv{self.Hkv}D{self.D}P{self.P}V{self.V}b{self.budget}-"
-                f"{str(self.dtype)[6:]}-{rope_id(self.section)}-{self.mode}-s{int(self.summary)}-{self.layout}")
+                f"{str(self.dtype)[6:]}-{rope_id(self.section, self.D)}-{self.mode}-s{int(self.summary)}-{self.layout}")
+
+    @property
+    def mrope(self) -> bool:
+        """Positions carry three axes (t, h, w)."""
+        return self.section is not None and RotaryLayout.of(self.section, self.R // 2).num_axes == 3
+
+    @property
+    def R(self) -> int:
+        """Rotary channels of a head: D, or fewer for a partial-rotary layout."""
+        return rotary_width(self.D, self.section)
 
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -85,6 +96,13 @@ CASES = [
     Case("qwen3_vl", 4, 1, 2, 12, 3, 27, 10, F32, INTERLEAVED[12], "lazy-above", True, "contiguous"),
     Case("qwen3_vl", 4, 2, 2, 8, 3, 29, 11, BF16, INTERLEAVED[8], "eager", True, "view"),
     Case("qwen3_vl", 4, 1, 3, 16, 0, 26, 26, F64, INTERLEAVED[16], "lazy-above", True, "view"),
+    # partial rotary (Qwen3.5): keys turn in channels [0, R) only, [R, D) move as bytes (poisoned: −0.0, NaN)
+    Case("qwen3_vl", 4, 2, 3, 32, 3, 29, 11, F32, PARTIAL["il"][1], "eager", True, "view"),
+    Case("qwen3_vl", 4, 1, 2, 32, 14, 33, 10, BF16, PARTIAL["il"][1], "lazy-above", True, "contiguous"),
+    Case("qwen3_vl", 5, 3, 1, 32, 0, 27, 9, F16, PARTIAL["il"][1], "lazy-below", True, "view"),
+    Case("qwen3_vl", 4, 1, 3, 32, 3, 26, 26, F64, PARTIAL["il"][1], "eager", True, "contiguous"),
+    Case("llava_ov", 4, 2, 2, 16, 3, 31, 12, BF16, PARTIAL["1d"][1], "eager", True, "view"),
+    Case("llava_ov", 4, 1, 1, 16, 0, 21, 30, F32, PARTIAL["1d"][1], "lazy-above", False, "contiguous"),
 ]
 
 
@@ -115,7 +133,7 @@ def make_cache(case: Case, g: torch.Generator, positions: torch.Tensor | None = 
     _, start = make_config(case)
     data = [torch.randn(L, B, Hkv, N, D, generator=g).to(case.dtype) for _ in range(2)]
     if positions is None:
-        positions = synthetic_positions(L, B, N, P, g, mrope=case.section is not None, start=start)
+        positions = synthetic_positions(L, B, N, P, g, mrope=case.mrope, start=start)
     if case.layout == "contiguous":
         return data[0].to(DEVICE), data[1].to(DEVICE), positions.to(DEVICE), None
     buffers = [torch.full((L, B, Hkv, N + SPARE, D), float("nan"), dtype=case.dtype) for _ in range(2)]
@@ -129,41 +147,57 @@ def make_cache(case: Case, g: torch.Generator, positions: torch.Tensor | None = 
 
 def setup_case(case: Case, seed: int, positions: torch.Tensor | None = None, cfg: HermesConfig | None = None):
     """(cfg, keys, values, positions, buffers, attn, keep, inv_freq, rotary) of one fresh seeded cache;
-    keep is the reference's selection from attn."""
+    keep is the reference's selection from attn, inv_freq [R/2]. With partial rotary the tails of the rows that
+    stay or move are poisoned (`poison_tail_`: −0.0 and a NaN with a payload); pruned rows keep finite tails, which
+    a summary averages."""
     g = torch.Generator().manual_seed(seed)
     cfg = make_config(case)[0] if cfg is None else cfg
     keys, values, positions, buffers = make_cache(case, g, positions)
     attn = distinct_attention(case.L, case.B, case.V, g, device=DEVICE)
     keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)
-    inv_freq = inv_freq_for(case.D, device=DEVICE)
+    inv_freq = inv_freq_of(case.D, case.section, device=DEVICE)
+    if case.R < case.D:
+        poison_tail_(keys, case.R, carried_rows(case, keep))
     return cfg, keys, values, positions, buffers, attn, keep, inv_freq, case.section
+
+
+def carried_rows(case: Case, keep: torch.Tensor) -> torch.Tensor:
+    """bool [L, B, 1, N]: the slots whose keys the step keeps (the prefix and the kept visual tokens)."""
+    rows = torch.zeros(case.L, case.B, case.P + case.V, dtype=torch.bool, device=keep.device)
+    rows[..., :case.P] = True
+    rows.scatter_(2, case.P + keep.clamp(min=0), keep >= 0)
+    return rows.unsqueeze(2)
 
 
 def assert_compacted_like(case: Case, got, expected, length: int, keep: torch.Tensor, compacted: bool,
                           buffers) -> None:
     """got (keys, values, positions) after the fast path == expected after the reference, `length` slots valid:
-    positions equal, keys/values within the dtype's tolerance, kept values (and keys when nothing was
-    re-indexed) bit-exact, slots from `length` on untouched, nothing written past N of a larger buffer."""
+    positions equal, keys (their rotary channels [0, R)) and values within the dtype's tolerance, kept values (and
+    keys when nothing was re-indexed) bit-exact, a partial-rotary key's tail [R, D) byte-equal in kept slots and
+    within tolerance in a summary slot, slots from `length` on untouched, nothing written past N of a larger
+    buffer."""
     keys, values, positions = got
     rk, rv, rp = expected
-    n = length
+    n, R = length, case.R
     assert torch.equal(positions[..., :n].cpu(), rp[..., :n].cpu()), "positions differ"
     atol, rtol = TOL[case.dtype]
-    assert_close_verbose(keys[..., :n, :], rk[..., :n, :], atol, rtol, "keys")
+    assert_close_verbose(keys[..., :n, :R], rk[..., :n, :R], atol, rtol, "keys")
     assert_close_verbose(values[..., :n, :], rv[..., :n, :], atol, rtol, "values")
     # kept rows (all but a summary slot) are copies, and keys are exact too when positions are not re-indexed
     kept = (keep >= 0).sum(dim=-1).cpu()
+    slot = torch.arange(n)
+    assert_tails_equal(keys[..., :n, :], rk[..., :n, :], R, (slot < case.P + kept[..., None]).unsqueeze(2))
     for layer in range(case.L):
         for b in range(case.B):
             end = case.P + int(kept[layer, b])
             assert torch.equal(values[layer, b, :, :end].cpu(), rv[layer, b, :, :end].cpu()), \
                 f"kept values of layer {layer} stream {b} are not bit-exact copies"
             if not compacted:
-                assert torch.equal(keys[layer, b, :, :end].cpu(), rk[layer, b, :, :end].cpu()), \
+                assert same_bytes(keys[layer, b, :, :end], rk[layer, b, :, :end]), \
                     f"keys of layer {layer} stream {b} changed although nothing was re-indexed"
     # slots from `length` on are left as they were, and nothing past N of the buffer is touched
-    assert torch.equal(keys[..., n:, :].cpu(), rk[..., n:, :].cpu())
-    assert torch.equal(values[..., n:, :].cpu(), rv[..., n:, :].cpu())
+    assert same_bytes(keys[..., n:, :], rk[..., n:, :])
+    assert same_bytes(values[..., n:, :], rv[..., n:, :])
     assert torch.equal(positions[..., n:].cpu(), rp[..., n:].cpu())
     if buffers is not None:
         N = case.P + case.V
@@ -172,15 +206,38 @@ def assert_compacted_like(case: Case, got, expected, length: int, keep: torch.Te
         assert (buffers[2][..., N:] == POSITION_POISON).all(), "wrote positions past N"
 
 
+def gather_bytes(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """x.gather(dim, index) of the raw bits (torch's bf16 gather on CPU rewrites NaN payloads)."""
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()]
+    return x.view(bits).gather(dim, index).view(x.dtype)
+
+
+def assert_tails_carried(case: Case, before: torch.Tensor, keys: torch.Tensor, keep: torch.Tensor) -> None:
+    """Partial rotary, without the reference: kept token i's tail [R, D) in slot P + i is the bytes of its source
+    slot's tail before the step, and the prefix's tails are untouched."""
+    if case.R == case.D:
+        return
+    P, n = case.P, keep.shape[-1]
+    valid = (keep >= 0).cpu()
+    source = (P + keep.clamp(min=0)).cpu().view(case.L, case.B, 1, n, 1).expand(-1, -1, case.Hkv, -1, case.D)
+    moved = gather_bytes(before.cpu(), 3, source)[..., case.R:]
+    landed = keys[..., P:P + n, case.R:].cpu()
+    rows = valid.view(case.L, case.B, 1, n).expand(-1, -1, case.Hkv, -1)
+    assert same_bytes(landed[rows], moved[rows]), "a kept key's tail is not the bytes of its source's tail"
+    assert same_bytes(keys[..., :P, case.R:], before[..., :P, case.R:]), "a prefix key's tail changed"
+
+
 def compacts_like_the_reference(case: Case, cfg, keys, values, positions, buffers, keep, inv_freq, section,
                                 compact) -> tuple[int, bool, tuple]:
     """Run the reference on clones and `compact()` (the fast path, in place on keys/values/positions; returns
     (length, flag)); assert everything matches. Returns (length, flag, the reference's keys, values, positions)."""
     rk, rv, rp = keys.clone(), values.clone(), positions.clone()
+    before = keys.clone()
     ref_length, ref_flag = ref.compact(rk, rv, rp, keep, cfg, inv_freq, section)
 
     storage = [t.data_ptr() for t in (keys, values, positions)]
     length, flag = compact()
+    assert_tails_carried(case, before, keys, keep)
 
     assert [t.data_ptr() for t in (keys, values, positions)] == storage, "not in place"
     assert isinstance(length, int) and length == ref_length
@@ -278,6 +335,7 @@ def test_bad_input_raises_before_writing(backend):
         (ValueError, "positions", (keys, values, positions[:, :, 0], keep, cfg, inv_freq, INTERLEAVED[16])),
         (TypeError, "rotary", (keys, values, positions, keep, cfg, inv_freq, "t, h, w")),
         (ValueError, "inv_freq", (keys, values, positions, keep, cfg, inv_freq[:-1], [2, 3, 3])),
+        (ValueError, "inv_freq", (keys, values, positions, keep, cfg, inv_freq, RotaryLayout.interleaved((2, 1, 1)))),
         (TypeError, "values", (keys, values.half(), positions, keep, cfg, inv_freq, [2, 3, 3])),
     ]
     for error, name, args in bad_calls:
@@ -298,6 +356,8 @@ SPLIT_CASES = [
     (Case("qwen2_5_vl", 4, 2, 1, 16, 0, 19, 7, F32, (2, 3, 3), "lazy-below", False, "view"), ((0, 2), (2, 4)), False),
     (Case("qwen3_vl", 4, 1, 2, 16, 2, 25, 9, BF16, INTERLEAVED[16], "lazy-above", True, "view"), ((0, 3), (3, 4)),
      True),
+    (Case("qwen3_vl", 4, 2, 2, 32, 2, 25, 9, F16, PARTIAL["il"][1], "lazy-above", True, "view"), ((0, 1), (1, 4)),
+     True),
 ]
 
 
@@ -308,7 +368,7 @@ def split_id(split) -> str:
 
 def split_positions(case: Case, seed: int, shifted: bool) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    positions = synthetic_positions(case.L, case.B, case.P + case.V, case.P, g, mrope=case.section is not None)
+    positions = synthetic_positions(case.L, case.B, case.P + case.V, case.P, g, mrope=case.mrope)
     if shifted:
         positions[-1, ..., case.P:] += 1000
     return positions
@@ -459,6 +519,11 @@ NATIVE_CASES = [
     Case("qwen2_5_vl", 4, 1, 3, 128, 3, 37, 12, BF16, (16, 24, 24), "eager", True, "contiguous"),
     Case("qwen3_vl", 4, 2, 3, 16, 3, 33, 10, F32, INTERLEAVED[16], "lazy-above", True, "contiguous"),
     Case("qwen3_vl", 4, 1, 3, 128, 3, 37, 12, BF16, INTERLEAVED[128], "eager", True, "view"),
+    # partial rotary: the tiny Qwen3.5's D 32, R 8 and the published D 256, R 64 (a specialised walk in C)
+    Case("qwen3_vl", 4, 2, 2, 32, 3, 33, 10, F32, PARTIAL["il"][1], "eager", True, "view"),
+    Case("qwen3_vl", 3, 2, 2, 256, 3, 37, 12, BF16, QWEN3_5_ROTARY, "eager", True, "contiguous"),
+    Case("qwen3_vl", 3, 1, 2, 256, 14, 29, 11, F32, QWEN3_5_ROTARY, "lazy-above", True, "view"),
+    Case("llava_ov", 4, 2, 1, 16, 0, 27, 9, BF16, PARTIAL["1d"][1], "lazy-below", True, "contiguous"),
 ]
 
 
@@ -626,14 +691,15 @@ def test_counting_dense_rank_equals_the_sorting_one(spread, mask, in_c, monkeypa
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-@pytest.mark.parametrize("section", [None, (2, 3, 3), INTERLEAVED[16]], ids=rope_id)
+@pytest.mark.parametrize("section", [None, (2, 3, 3), INTERLEAVED[16], PARTIAL["il"][1]], ids=rope_id)
 def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     """Bit-exact check of the C walk's arithmetic: with arbitrary cos/sin tables (no transcendental functions
     involved), every kept key equals torch's fp32 x1·c − x2·s, x2·c + x1·s rounded to the cache dtype — each
     product and sum rounded once, to nearest even — with each frequency pair from its own axis's row (the
-    layout's axis map: contiguous or interleaved M-RoPE sections)."""
+    layout's axis map: contiguous or interleaved M-RoPE sections), and a partial-rotary key's tail [R, D) its own
+    bytes."""
     require_c_library("compact_cpu")
-    D = 16 if section else 64
+    D = 64 if section is None else PARTIAL["il"][0] if section is PARTIAL["il"][1] else 16
     case = Case("paper", 3, 2, 2, D, 4, 29, 13, dtype, section, "eager", False, "view")
     cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=74)
     g = torch.Generator().manual_seed(75)
@@ -651,7 +717,7 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     before = keys.clone()
     compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
 
-    L, B, Hkv, n, half = case.L, case.B, case.Hkv, keep.shape[-1], D // 2
+    L, B, Hkv, n, half = case.L, case.B, case.Hkv, keep.shape[-1], case.R // 2
     A = 1 if section is None else 3
     index = seen["index"].view(L, B, A, n).long()
     axis = RotaryLayout.of(section, half).axis_tensor().long()
@@ -659,9 +725,11 @@ def test_c_walk_rotates_and_rounds_like_torch(dtype, section, monkeypatch):
     cos = seen["cos"][index].gather(2, pick)  # [L, B, 1, n, half]
     sin = seen["sin"][index].gather(2, pick)
     src = (keep + case.P).view(L, B, 1, n, 1).expand(L, B, Hkv, n, D)
-    x = before.gather(3, src).float()
-    x1, x2 = x[..., :half], x[..., half:]
-    want = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+    moved = gather_bytes(before, 3, src)
+    x = moved.float()
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    want = torch.cat([(x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype), moved[..., 2 * half:]],
+                     dim=-1)
     got = keys[..., case.P:case.P + n, :]
     assert torch.equal(got.view(torch.int16 if dtype != F32 else torch.int32),
                        want.view(torch.int16 if dtype != F32 else torch.int32)), \

@@ -9,8 +9,9 @@ from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.launch import launch_count
 from hermes_kernels.dispatch import resolve_backend
 from tests.utils import DEVICE, TORCH_OPS
-from tests.utils import INTERLEAVED, TOL, assert_close_verbose, distinct_attention, inv_freq_for, rope_id
-from tests.utils import synthetic_positions
+from tests.utils import INTERLEAVED, PARTIAL, TOL, assert_close_verbose, assert_tails_equal, distinct_attention
+from tests.utils import inv_freq_for, inv_freq_of, poison_tail_, rope_id, rotary_width, synthetic_positions
+from hermes_kernels.rope import RotaryLayout
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 
@@ -27,11 +28,20 @@ CASES = [
     (5, 2, 2, 16, 3, 29, 11, torch.bfloat16, INTERLEAVED[16], "eager", True, True, "qwen3_vl"),
     (4, 1, 2, 128, 14, 45, 23, torch.float16, INTERLEAVED[128], "lazy", True, True, "qwen3_vl"),
     (4, 2, 1, 8, 0, 21, 9, torch.float32, INTERLEAVED[8], "eager", False, True, "qwen3_vl"),
+    # partial rotary (Qwen3.5): channels [R, D) of a key never turn; kept rows' tails poisoned (−0.0, a NaN)
+    (4, 2, 2, 32, 3, 29, 11, torch.float32, PARTIAL["il"][1], "eager", True, True, "qwen3_vl"),
+    (5, 1, 2, 16, 14, 33, 13, torch.bfloat16, PARTIAL["1d"][1], "lazy", True, True, "llava_ov"),
+    (4, 2, 1, 32, 0, 27, 27, torch.float16, PARTIAL["il"][1], "eager", False, True, "qwen3_vl"),
 ]
 
 
 def run_case(case, backend, seed, start=0, max_positions=None):
+    """One step of `backend` against the reference's on a fresh cache; returns the backend's result. Partial
+    rotary: inv_freq [R/2], the tails [R, D) of the rows the step keeps poisoned (−0.0, a NaN with a payload) and
+    compared byte for byte (summary slots: within tolerance)."""
     L, B, Hkv, D, P, V, budget, dtype, section, reindex, cascade, summary, preset = case
+    R = rotary_width(D, section)
+    mrope = section is not None and RotaryLayout.of(section, R // 2).num_axes == 3
     N = P + V
     extra = {} if max_positions is None else dict(max_positions=max_positions, margin=64)
     cfg = getattr(HermesConfig, preset)(L, budget, P, reindex=reindex, cascade=cascade, summary=summary, **extra)
@@ -41,11 +51,16 @@ def run_case(case, backend, seed, start=0, max_positions=None):
     values_buf = torch.full_like(keys_buf, float("nan"))
     keys_buf[..., :N, :] = torch.randn(L, B, Hkv, N, D, generator=g).to(dtype)
     values_buf[..., :N, :] = torch.randn(L, B, Hkv, N, D, generator=g).to(dtype)
-    positions = synthetic_positions(L, B, N, P, g, mrope=section is not None, start=start)
+    positions = synthetic_positions(L, B, N, P, g, mrope=mrope, start=start)
     attn = distinct_attention(L, B, V, g)
     keys_buf, values_buf, positions, attn = (t.to(DEVICE) for t in (keys_buf, values_buf, positions, attn))
     keys, values = keys_buf[..., :N, :], values_buf[..., :N, :]
-    inv_freq = inv_freq_for(D, device=DEVICE)
+    inv_freq = inv_freq_of(D, section, device=DEVICE)
+    keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)  # the rows whose tails are carried
+    carried = torch.zeros(L, B, N, dtype=torch.bool, device=DEVICE)
+    carried[..., :P] = True
+    carried.scatter_(2, P + keep.clamp(min=0), keep >= 0)
+    poison_tail_(keys, R, carried.unsqueeze(2))
     rk, rv, rp = keys.clone(), values.clone(), positions.clone()
     expected = ref.compress_step(rk, rv, rp, attn.clone(), cfg, inv_freq, section)
     ptrs = (keys.data_ptr(), values.data_ptr(), positions.data_ptr())
@@ -59,14 +74,16 @@ def run_case(case, backend, seed, start=0, max_positions=None):
     n = got.length
     assert torch.equal(positions[..., :n].cpu(), rp[..., :n].cpu()), "positions differ"
     atol, rtol = TOL[dtype]
-    assert_close_verbose(keys[..., :n, :], rk[..., :n, :], atol * 4, rtol * 4, "keys")
+    assert_close_verbose(keys[..., :n, :R], rk[..., :n, :R], atol * 4, rtol * 4, "keys")
+    kept = P + (got.keep >= 0).sum(dim=-1, keepdim=True)  # [L, B, 1]: slots before it are carried rows
+    assert_tails_equal(keys[..., :n, :], rk[..., :n, :], R, (torch.arange(n, device=kept.device) < kept).unsqueeze(2))
     assert_close_verbose(values[..., :n, :], rv[..., :n, :], atol, rtol, "values")
     return got
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}B{c[1]}Hkv{c[2]}D{c[3]}P{c[4]}V{c[5]}b{c[6]}"
-                         f"-{str(c[7])[6:]}-{rope_id(c[8])}-{c[9]}-c{int(c[10])}s{int(c[11])}")
+                         f"-{str(c[7])[6:]}-{rope_id(c[8], c[3])}-{c[9]}-c{int(c[10])}s{int(c[11])}")
 def test_matches_reference(case, backend):
     run_case(case, backend, seed=hash(case[:7]) % 1000)
 
