@@ -15,8 +15,9 @@ import weakref
 from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from hermes.linear_state import LinearLayout, LinearStates
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.rope import RotaryLayout
 
@@ -68,23 +69,25 @@ class Forward:
 
 
 class _LayerView(CacheLayerMixin):
-    """Per-layer face of the stacked buffer, so transformers' generic `Cache` properties see L layers."""
+    """Per-layer face of the stacked buffer, so transformers' generic `Cache` properties see the cache's layers:
+    `layer` is the cache's index, `decoder_layer` the model's (they differ in a hybrid model)."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cache: "StreamCacheBase", layer: int):
+    def __init__(self, cache: "StreamCacheBase", layer: int, decoder_layer: int):
         super().__init__()
         self._cache = weakref.proxy(cache)
         self._layer = layer
+        self._decoder_layer = decoder_layer
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         """Nothing to do: the stack is allocated up front."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return self._cache.update(key_states, value_states, self._layer)
+        return self._cache.update(key_states, value_states, self._decoder_layer)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._cache.get_mask_sizes(query_length, self._layer)
@@ -114,6 +117,32 @@ class _LayerView(CacheLayerMixin):
         if value is not None:
             raise AttributeError(f"{type(self._cache).__name__} layers are views of its buffers; write through "
                                  "update()")
+
+
+class _LinearView(LinearAttentionCacheLayerMixin):
+    """A linear-attention layer's face for transformers (`Cache.is_linear`, `len(cache)`); its states live in the
+    cache's `LinearStates` and are reached through the cache's own `get_conv_state` / `update_*` methods."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: "StreamCacheBase", decoder_layer: int):
+        super().__init__()
+        self._cache = weakref.proxy(cache)
+        self._decoder_layer = decoder_layer
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        """Nothing to do: the states are allocated up front."""
+
+    def update_conv_state(self, conv_states, state_idx=0, **kwargs):
+        return self._cache.update_conv_state(conv_states, self._decoder_layer, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        return self._cache.update_recurrent_state(recurrent_states, self._decoder_layer, state_idx, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self._cache.length
 
 
 def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
@@ -168,11 +197,17 @@ class StreamCacheBase(Cache):
 
     def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  rotary: Sequence[int] | RotaryLayout | None, home_device: torch.device | str,
-                 counters: Counters = Counters()):
+                 counters: Counters = Counters(), linear: LinearLayout | None = None):
         """num_layers L, batch_size B, num_kv_heads Hkv, head_dim D: the cache's geometry (incoming key_states are
         [B, Hkv, T, D]); rotary: stored as the `RotaryLayout` of D/2 pairs every rotation of the cache reads (1D
         RoPE included); home_device: where default positions and padding counts live (layer 0's device);
-        counters: the empty cache's host state (`reset()` puts it back)."""
+        counters: the empty cache's host state (`reset()` puts it back); linear: a hybrid model's
+        `LinearLayout` (its L full-attention layers are the cache's layers 0..L-1 in depth order, its
+        linear-attention layers' states live in `linear_states`), None when every decoder layer is full
+        attention (docs/qwen3_5.md#hybrid-cache)."""
+        if linear is not None and len(linear.full_layers) != num_layers:
+            raise ValueError(f"linear: the layout has {len(linear.full_layers)} full-attention layers, the cache "
+                             f"{num_layers}")
         self.rotary = RotaryLayout.of(rotary, head_dim // 2)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -187,8 +222,17 @@ class StreamCacheBase(Cache):
         self._undefined = False
         self._context: dict | None = None
         self._forward: Forward | None = None
+        self._length_before_commit = 0  # the length when the linear states' last committing context began
         self._buffers: list[torch.Tensor] = []
-        Cache.__init__(self, layers=[_LayerView(self, layer) for layer in range(num_layers)])
+        # the model's decoder index -> the cache's layer, for the full-attention layers
+        full = range(num_layers) if linear is None else linear.full_layers
+        self._cache_layer = {decoder: layer for layer, decoder in enumerate(full)}
+        self.linear_states = None if linear is None else LinearStates(linear, batch_size, self.allocate)
+        views = [_LayerView(self, layer, decoder) for decoder, layer in self._cache_layer.items()]
+        if linear is not None:
+            views = [views[self._cache_layer[i]] if kind != "linear_attention" else _LinearView(self, i)
+                     for i, kind in enumerate(linear.kinds)]
+        Cache.__init__(self, layers=views)
 
     # ---- what a policy cache implements (docs/policies.md#cache) -------------------------------------------
     def begin_forward(self, count: int, rel_positions: torch.Tensor | None, stored: int) -> Forward:
@@ -309,6 +353,8 @@ class StreamCacheBase(Cache):
         self._steps = 0
         self._reindexes = 0
         self._undefined = False
+        if self.linear_states is not None:
+            self.linear_states.reset()
 
     # ---- forwards ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -337,22 +383,41 @@ class StreamCacheBase(Cache):
                              f"{getattr(left_padding, 'shape', type(left_padding).__name__)}")
         if self._context is not None:
             raise RuntimeError(f"{type(self).__name__}.forward_context: contexts do not nest")
+        states = self.linear_states
+        if states is not None and keep is not None and not read_only:
+            raise ValueError("keep: the linear-attention layers' states would take in the tokens left out; a hybrid "
+                             "model stores all of a forward's tokens or none (docs/qwen3_5.md#hybrid-cache)")
+        if states is not None and left_padding is not None:
+            raise ValueError("left_padding: padding would pass through the linear-attention layers' states; a "
+                             "hybrid model takes no left-padded forward (docs/qwen3_5.md#hybrid-cache)")
         self._context = {"rel_positions": rel_positions, "keep": 0 if read_only else keep,
                          "left_padding": left_padding, "hidden": None}
+        if states is not None:
+            states.begin(store=not read_only)
+            start, epoch = self.length, states.epoch
+        success = False
         try:
             yield self
+            success = True
         finally:
             self._context = None
             self._forward = None
+            if states is not None:
+                states.end(success)
+                if states.epoch != epoch:
+                    self._length_before_commit = start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' write of one layer: the forward begun at layer 0 (`begin_forward`), the policy's `write`,
         the hand-off to the attention function; the counters move once the last layer has stored."""
-        forward = self._forward_at(layer_idx, key_states)
-        keys, values = self.write(forward, layer_idx, key_states, value_states)
-        _HANDOFF.last = (weakref.ref(self), layer_idx, keys)
-        if layer_idx == self.num_layers - 1:
+        layer = self._cache_layer.get(layer_idx)
+        if layer is None:
+            raise RuntimeError(f"{type(self).__name__}.update: decoder layer {layer_idx} holds no keys in this cache")
+        forward = self._forward_at(layer, key_states)
+        keys, values = self.write(forward, layer, key_states, value_states)
+        _HANDOFF.last = (weakref.ref(self), layer, keys)
+        if layer == self.num_layers - 1:
             self.counters = forward.after
         return keys, values
 
@@ -393,6 +458,61 @@ class StreamCacheBase(Cache):
                              f"got {pads.tolist()}")
         keep = context["keep"]
         return rel, count if keep is None else min(keep, count), pads
+
+    # ---- a hybrid model's linear-attention layers (hermes.linear_state) ---------------------------------------
+    def _linear(self, layer_idx: int) -> LinearStates:
+        if self.linear_states is None or layer_idx not in self.linear_states.slot_of:
+            raise ValueError(f"{type(self).__name__}: decoder layer {layer_idx} is not a linear-attention layer")
+        if self._context is None:
+            raise RuntimeError(f"{type(self).__name__}: a linear-attention layer ran outside forward_context")
+        self._check_defined()
+        return self.linear_states
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """transformers' read of a linear-attention layer's convolution state [B, C, K] (None: no state yet)."""
+        return self._linear(layer_idx).get_conv_state(layer_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **kwargs) -> torch.Tensor:
+        """transformers' write of a linear-attention layer's convolution input [B, C, T]; returns [state, input]."""
+        return self._linear(layer_idx).update_conv_state(conv_states, layer_idx, kwargs.get("conv_kernel_size"))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """transformers' read of a linear-attention layer's recurrent state [B, Hv, Dk, Dv] (None: no state yet)."""
+        return self._linear(layer_idx).get_recurrent_state(layer_idx)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        """transformers' write of a linear-attention layer's recurrent state."""
+        return self._linear(layer_idx).update_recurrent_state(recurrent_states, layer_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the linear-attention layers hold a state (the committed one)."""
+        return self.linear_states is not None and self.linear_states.has_state
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """Never: the states are two fixed copies (`LinearStates`), not a growing record."""
+        return False
+
+    def linear_contents(self) -> dict[str, torch.Tensor]:
+        """The linear-attention layers' committed states by name (`LinearStates.contents`), for `contents()`;
+        empty for a model without them."""
+        return {} if self.linear_states is None else self.linear_states.contents()
+
+    def truncate_linear(self, length: int) -> None:
+        """Called by a policy cache's `truncate` once `length` is valid, before its counters move: the
+        linear-attention states cannot be cropped, so on a hybrid model only the current length and the length
+        before the last storing forward context (a question and its answer: the states' last commit is undone)
+        are accepted; ValueError naming `length` for any other."""
+        states = self.linear_states
+        if states is None or length == self.length:
+            return
+        if states.can_undo and length == self._length_before_commit:
+            states.undo()
+            return
+        back = f" or {self._length_before_commit}" if states.can_undo else ""
+        raise ValueError(f"length: the linear-attention layers' states cannot be cropped; this cache can go back to "
+                         f"{self.length}{back} only, got {length} (docs/qwen3_5.md#hybrid-cache)")
 
     def stored_count(self) -> int:
         """Tokens of the running forward that stay in the cache (its first ones); the rest are read-only."""
@@ -457,6 +577,8 @@ class StreamCacheBase(Cache):
         self._steps += 1
         self._reindexes += int(reindexed)
         self._undefined = False
+        if self.linear_states is not None:
+            self.linear_states.forget_undo()  # the keys moved: the states' last commit is part of the stream now
         return result
 
     @contextlib.contextmanager
@@ -467,14 +589,24 @@ class StreamCacheBase(Cache):
 
         Not undone: a step that completed inside the block (its in-place moves cannot be reversed; the cache
         then holds the stepped state and the exception propagates) or one that failed while writing
-        (`undefined`).
+        (`undefined`). A hybrid model's linear-attention states are put back with the counters (the last commit
+        undone); where more than one storing context committed inside the block they cannot be, and the cache is
+        left `undefined`.
         """
         saved = self.counters, self._steps, self._reindexes
+        states = self.linear_states
+        epoch = None if states is None else states.epoch
         try:
             yield self
         except BaseException:
             if not self._undefined and self._steps == saved[1]:
                 self.counters, self._steps, self._reindexes = saved
+                if states is not None and states.epoch != epoch:
+                    # one storing context committed inside the block: its commit is undone with the counters
+                    if states.epoch == epoch + 1 and states.can_undo:
+                        states.undo()
+                    else:
+                        self._undefined = True
             raise
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

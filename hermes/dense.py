@@ -14,6 +14,7 @@ import torch
 
 from hermes.attention import causal_mask, flash_usable, model_attention, padded_mask
 from hermes.cache import Counters, Forward, StreamCacheBase, layer_runs
+from hermes.linear_state import LinearLayout
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 
@@ -57,17 +58,20 @@ class DenseCache(StreamCacheBase):
                         inside (0, L)): the results are the same as with one stack; this lays out a `device_map`
                         split on one device.
         counters:       the empty cache's host state (a `Counters` subclass for a policy's own counters).
+        linear:         a hybrid model's `hermes.linear_state.LinearLayout` (this cache's layers are its full-attention
+                        layers; the linear-attention layers' states are held too), None without linear layers.
     """
 
     def __init__(self, num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
-                 counters: Counters = Counters()):
+                 counters: Counters = Counters(), linear: LinearLayout | None = None):
         runs = layer_runs(num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           inv_freq=inv_freq, rotary=rotary, layer_devices=layer_devices, stack_bounds=stack_bounds)
         check_positive_int("capacity", capacity)
         super().__init__(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=counters)
+                         head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=counters,
+                         linear=linear)
         self.capacity = capacity
         self.dtype = dtype
         self._stacks = [self._allocate(device, first, end - first, inv_freq) for device, first, end in runs]
@@ -113,7 +117,7 @@ class DenseCache(StreamCacheBase):
             views[f"layer {layer} keys"] = self.layer_keys(layer)
             views[f"layer {layer} values"] = self.layer_values(layer)
             views[f"layer {layer} positions"] = self.layer_positions(layer)
-        return views
+        return {**views, **self.linear_contents()}
 
     # ---- forwards ------------------------------------------------------------------------------------------
     def begin_forward(self, count: int, rel_positions: torch.Tensor | None, stored: int) -> DenseForward:
@@ -171,6 +175,7 @@ class DenseCache(StreamCacheBase):
         """Forget every slot from `length` on (e.g. a question and its answer); storage is untouched."""
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.length:
             raise ValueError(f"length: expected an int in [0, {self.length}], got {length!r}")
+        self.truncate_linear(length)
         self.counters = dataclasses.replace(self.counters, length=length)
 
 

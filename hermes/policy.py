@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
+from hermes.linear_state import LINEAR, LinearLayout, layer_kinds
 from hermes.models import ModelFamily, family_of
 from hermes.parallel import HeadShard, head_shard
 from hermes_kernels.checks import check_positive_int
@@ -30,12 +31,21 @@ _BUILT_IN = {"hermes": "hermes.policies.hermes.policy", "h2svc": "hermes.policie
 _REGISTERED: dict[str, type["StreamPolicy"]] = {}
 
 
+def attention_layers(model: torch.nn.Module, family: ModelFamily | None = None) -> list[torch.nn.Module]:
+    """The decoder layers that hold a KV cache (full attention), in depth order: every layer, or a hybrid model's
+    full-attention ones (`layer_types`; ValueError naming it for a kind the caches do not hold)."""
+    family = family or family_of(model)
+    kinds = layer_kinds(model.config)
+    return [layer for layer, kind in zip(family.language_model(model).layers, kinds) if kind != LINEAR]
+
+
 def geometry_of(model: torch.nn.Module, family: ModelFamily | None = None) -> ModelGeometry:
     """The `ModelGeometry` of a loaded model: its text config (heads, positions, RoPE base), its first attention
-    module (head dim) and the family's rotary layout."""
+    module (head dim) and the family's rotary layout; `num_layers` counts the layers that hold a KV cache (a
+    hybrid model's full-attention layers)."""
     family = family or family_of(model)
     text_config = model.config.get_text_config()
-    layers = family.language_model(model).layers
+    layers = attention_layers(model, family)
     rope = getattr(text_config, "rope_parameters", None) or {}
     _, rotary = family.rotary(model)
     return ModelGeometry(num_layers=len(layers), num_heads=text_config.num_attention_heads,
@@ -60,8 +70,12 @@ class StreamSetup:
                    counts (what its caches hold).
     shard:         this rank's `hermes.parallel.HeadShard` of a model loaded with `DistributedConfig(tp_size=N)`,
                    else None (docs/multi-gpu.md).
-    dtype:         keys' and values' storage dtype (the model's); inv_freq: [D/2] rotary inverse frequencies taken
-                   from the model's rotary module (never recomputed); layer_devices: the device of every layer.
+    dtype:         keys' and values' storage dtype (the model's); inv_freq: [R/2] rotary inverse frequencies taken
+                   from the model's rotary module (never recomputed); layer_devices: the device of every layer that
+                   holds keys (the full-attention layers, in depth order).
+    linear:        a hybrid model's `hermes.linear_state.LinearLayout` (which decoder layer is which, the
+                   linear-attention layers' state shapes), None when every layer is full attention
+                   (docs/qwen3_5.md#hybrid-cache).
     """
 
     model: torch.nn.Module
@@ -80,6 +94,7 @@ class StreamSetup:
     inv_freq: torch.Tensor
     layer_devices: tuple[torch.device, ...]
     shard: HeadShard | None = None
+    linear: LinearLayout | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -93,6 +108,7 @@ class StreamSetup:
         """Check `HermesStream`'s own arguments (docs/stream.md) and read the model: ValueError / TypeError naming
         the argument."""
         family = family_of(model)
+        kinds = layer_kinds(model.config)  # a layer kind the caches do not hold: refused first
         tokenizer = getattr(processor, "tokenizer", processor)
         if tokenizer is None or not callable(tokenizer):
             raise TypeError("processor: expected the model's processor or a tokenizer (guidance prompts and "
@@ -106,7 +122,8 @@ class StreamSetup:
         if chunk_tokens is None:
             chunk_tokens = family.tokens_per_chunk(model, chunk_frames, frame_size, tokenizer=tokenizer)
         check_positive_int("chunk_tokens", chunk_tokens)
-        layers = language_model.layers
+        layers = attention_layers(model, family)
+        linear = LinearLayout.of(language_model, kinds) if LINEAR in kinds else None
         inv_freq, _ = family.rotary(model)
         geometry = geometry_of(model, family)
         return cls(model=model, processor=processor, tokenizer=tokenizer, family=family,
@@ -114,7 +131,8 @@ class StreamSetup:
                    frame_size=frame_size, prefix_ids=prefix_ids, backend=backend,
                    geometry=geometry if shard is None else shard.local(geometry),
                    dtype=layers[0].self_attn.k_proj.weight.dtype, inv_freq=inv_freq,
-                   layer_devices=tuple(layer.self_attn.k_proj.weight.device for layer in layers), shard=shard)
+                   layer_devices=tuple(layer.self_attn.k_proj.weight.device for layer in layers), shard=shard,
+                   linear=linear)
 
 
 class StreamPolicy:

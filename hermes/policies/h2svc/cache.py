@@ -45,6 +45,7 @@ import torch
 
 import hermes_kernels as hk
 from hermes.cache import Forward, StreamCacheBase, layer_runs
+from hermes.linear_state import LinearLayout
 from hermes.parallel import refusing_ranks
 from hermes_kernels.checks import check_group, check_positive_int, read_contents
 from hermes_kernels.dispatch import check_backend
@@ -115,13 +116,15 @@ class H2SVCCache(StreamCacheBase):
                         still counts its frames, so the lengths, room and positions of every rank agree.
         group:          under tensor parallelism, the `torch.distributed` process group of the ranks holding the
                         model's other heads (cfg's map is this rank's columns); None in one process.
+        linear:         a hybrid model's `hermes.linear_state.LinearLayout` (this cache's layers are its full-attention
+                        layers; the linear-attention layers' states are held too), None without linear layers.
     """
 
     def __init__(self, cfg: H2SVCConfig, *, batch_size: int, num_heads: int, head_dim: int, chunk_frames: int,
                  room: int, dtype: torch.dtype, inv_freq: torch.Tensor,
                  rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
-                 classes: Sequence[int] | None = None, group=None):
+                 classes: Sequence[int] | None = None, group=None, linear: LinearLayout | None = None):
         if not isinstance(cfg, H2SVCConfig):
             raise TypeError(f"cfg: expected an H2SVCConfig, got {type(cfg).__name__}")
         runs = layer_runs(cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=head_dim,
@@ -136,7 +139,8 @@ class H2SVCCache(StreamCacheBase):
         if dtype not in CACHE_DTYPES:
             raise TypeError(f"dtype: expected a floating dtype for keys and values, got {dtype}")
         super().__init__(num_layers=cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads,
-                         head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=ClassCounters())
+                         head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=ClassCounters(),
+                         linear=linear)
         self.cfg = cfg
         self.group = group
         self.num_heads = num_heads
@@ -255,7 +259,7 @@ class H2SVCCache(StreamCacheBase):
                 views[f"{name} slot_frames"] = self.class_slot_frames(part.cls, layer)
                 if part.cls == EPISODIC:
                     views[f"{name} features"] = self.class_features(layer)[:, :, :self.counters.held[EPISODIC]]
-        return views
+        return {**views, **self.linear_contents()}
 
     # ---- writing ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -387,6 +391,7 @@ class H2SVCCache(StreamCacheBase):
         if not isinstance(length, int) or isinstance(length, bool) or not video <= length <= self.length:
             raise ValueError(f"length: expected an int in [{video}, {self.length}] (only the text after the video "
                              f"can be dropped), got {length!r}")
+        self.truncate_linear(length)
         self.counters = dataclasses.replace(self.counters, text=length - video)
 
     def reset(self) -> None:

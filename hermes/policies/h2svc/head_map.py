@@ -130,7 +130,10 @@ def _model_shape(model) -> tuple[str | None, int, int, str]:
                         f"{type(model).__name__}")
     text = get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return config.model_type, int(text.num_hidden_layers), int(kv_heads), getattr(config, "name_or_path", "") or ""
+    # a hybrid model's map covers its full-attention layers only (docs/qwen3_5.md#hybrid-cache)
+    kinds = getattr(text, "layer_types", None) or ()
+    layers = int(text.num_hidden_layers) - sum(kind == "linear_attention" for kind in kinds)
+    return config.model_type, layers, int(kv_heads), getattr(config, "name_or_path", "") or ""
 
 
 def check_head_map(profile: HeadProfile, model, source: str = "head map") -> None:

@@ -38,8 +38,10 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hermes.commands import UsageError, usage
+from hermes.linear_state import LINEAR, layer_kinds
 from hermes.models import family_of
 from hermes.video import VideoReader, as_fraction
 from hermes_kernels.checks import check_positive_int
@@ -165,7 +167,7 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
     tokenizer = getattr(processor, "tokenizer", processor)
     embed = model.get_input_embeddings()
     device = embed.weight.device
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)  # a hybrid model's linear-attention layers get their states
     positions = _Positions(mrope=family.rotary(model)[1] is not None)
 
     def forward(embeds: torch.Tensor, rel: torch.Tensor | None = None, **extra) -> torch.Tensor:
@@ -199,6 +201,7 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
     v2v = sums.take("v2v") / (n * T_f)
 
     video_length, video_next = cache.get_seq_length(), positions.next
+    video_states = _linear_states(cache)
     lm_head = model.get_output_embeddings()
     eos = tokenizer.eos_token_id
     t2v, text_queries = [], 0
@@ -214,13 +217,30 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
             count += 1
         t2v.append(sums.take("t2v") / count)
         text_queries += count
-        cache.crop(video_length - cache.get_seq_length())  # transformers 5: a negative count drops that many
+        _back_to_video(cache, video_length, video_states)
         positions.next = video_next
 
     num_kv_heads = model.config.get_text_config().num_key_value_heads
     return {"source": clip.name, "frames": sampled, "memory_frames": n, "tokens_per_frame": T_f,
             "text_queries": text_queries, "tad_v2v": _per_kv_head(v2v, num_kv_heads),
             "tad_t2v": _per_kv_head(torch.stack(t2v).mean(dim=0), num_kv_heads)}
+
+
+def _linear_states(cache: DynamicCache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Clones of a hybrid model's linear-attention states (conv, recurrent) by decoder layer; {} without them."""
+    return {i: (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+            for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+
+
+def _back_to_video(cache: DynamicCache, video_length: int, states: dict) -> None:
+    """Drop a question and its answer: the attention layers' keys cropped back to `video_length`, the
+    linear-attention layers' states (which cannot be cropped) put back from `states`."""
+    for i, layer in enumerate(cache.layers):
+        if i in states:
+            layer.conv_states[0].copy_(states[i][0])
+            layer.recurrent_states[0].copy_(states[i][1])
+        else:
+            layer.crop(video_length)
 
 
 def _per_kv_head(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -268,13 +288,16 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
                                          query_block=query_block)
     text_config = model.config.get_text_config()
     layers = family.language_model(model).layers
-    num_layers = len(layers)
-    num_heads, num_kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
-    class_counts(num_layers * num_kv_heads, instant_ratio, short_ratio)
-    sliding = [i for i, layer in enumerate(layers) if getattr(layer.self_attn, "sliding_window", None)]
+    sliding = [i for i, layer in enumerate(layers)
+               if getattr(getattr(layer, "self_attn", None), "sliding_window", None)]
     if sliding:
         raise ValueError(f"model: layers {sliding} use sliding-window attention; the profiler computes full causal "
                          "attention only")
+    # a hybrid model's linear-attention layers hold no tokens: only its full-attention layers are routed
+    decoder_layers = tuple(i for i, kind in enumerate(layer_kinds(model.config)) if kind != LINEAR)
+    num_layers = len(decoder_layers)
+    num_heads, num_kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
+    class_counts(num_layers * num_kv_heads, instant_ratio, short_ratio)
     if model.training:
         raise ValueError("model: in training mode; call model.eval() first (the profile runs without dropout)")
     prefix_ids = list(tokenizer(family.prefix_text(system_prompt), add_special_tokens=False)["input_ids"])
@@ -287,9 +310,10 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
         with torch.no_grad(), profiling_attention(model):
             for index, clip in enumerate(clips):
                 bar.set_description(f"clip {index + 1}/{len(clips)}")
+                sums = TADSums(num_layers, query_block, decoder_layers=decoder_layers)
                 records.append(_profile_clip(
-                    model, processor, family, clip, TADSums(num_layers, query_block), fps=fps,
-                    chunk_frames=chunk_frames, max_frames=max_frames, questions=questions,
+                    model, processor, family, clip, sums, fps=fps, chunk_frames=chunk_frames, max_frames=max_frames,
+                    questions=questions,
                     answer_tokens=answer_tokens, prefix_ids=prefix_ids, bar=bar))
     finally:
         bar.close()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -57,7 +57,13 @@ class TADSums:
     are taken at a time (None: as many as fit BLOCK_BYTES of float32 probabilities).
     """
 
-    def __init__(self, num_layers: int, query_block: int | None = None):
+    def __init__(self, num_layers: int, query_block: int | None = None, decoder_layers: Sequence[int] | None = None):
+        """decoder_layers: the decoder index of each of the num_layers profiled layers (a hybrid model's
+        full-attention layers); default 0 .. num_layers - 1."""
+        layers = range(num_layers) if decoder_layers is None else decoder_layers
+        if len(layers) != num_layers:
+            raise ValueError(f"decoder_layers: expected {num_layers} indices, got {len(layers)}")
+        self.index = {decoder: i for i, decoder in enumerate(layers)}
         self.v2v: list[torch.Tensor | None] = [None] * num_layers
         self.t2v: list[torch.Tensor | None] = [None] * num_layers
         self.queries: Queries | None = None
@@ -69,10 +75,12 @@ class TADSums:
         return max(1, BLOCK_BYTES // (4 * num_heads * num_keys))
 
     def add(self, layer: int, probs: torch.Tensor, rows: slice) -> None:
-        """Fold one block of probabilities float32 [H, t, N] (queries `rows` of the forward) into the sums."""
+        """Fold one block of probabilities float32 [H, t, N] (queries `rows` of the forward) of decoder layer
+        `layer` into the sums."""
         queries = self.queries
         if queries is None:
             return
+        layer = self.index[layer]
         P, n, T_f = queries.visual_start, queries.num_frames, queries.tokens_per_frame
         mass = probs[..., P:P + n * T_f].unflatten(-1, (n, T_f)).sum(dim=-1, dtype=torch.float64)  # A [H, t, n]
         frame = torch.arange(n, device=probs.device)

@@ -14,6 +14,7 @@ import torch
 
 import hermes_kernels as hk
 from hermes.dense import DenseCache
+from hermes.linear_state import LinearLayout
 from hermes_kernels.checks import check_group, check_positive_int
 from hermes_kernels.dispatch import check_backend
 from hermes_kernels.policies.hermes.checks import check_attn_finite, check_stacks
@@ -46,6 +47,8 @@ class HermesCache(DenseCache):
                         results are the same as with one stack; this lays out a `device_map` split on one device.
         group:          under tensor parallelism, the `torch.distributed` process group of the ranks holding the
                         model's other heads (this cache holds num_kv_heads of them); None in one process.
+        linear:         a hybrid model's `hermes.linear_state.LinearLayout` (this cache's layers are its full-attention
+                        layers; the linear-attention layers' states are held too), None without linear layers.
     """
 
     step_name = "compression step"
@@ -54,7 +57,7 @@ class HermesCache(DenseCache):
                  dtype: torch.dtype, inv_freq: torch.Tensor,
                  rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
-                 group=None):
+                 group=None, linear: LinearLayout | None = None):
         if not isinstance(cfg, HermesConfig):
             raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
         check_positive_int("capacity", capacity)
@@ -64,7 +67,7 @@ class HermesCache(DenseCache):
                              f"{cfg.prefix_len + cfg.budget} for a chunk or a question")
         super().__init__(cfg.num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          capacity=capacity, dtype=dtype, inv_freq=inv_freq, rotary=rotary,
-                         layer_devices=layer_devices, stack_bounds=stack_bounds)
+                         layer_devices=layer_devices, stack_bounds=stack_bounds, linear=linear)
         self.cfg = cfg
         self.group = group
         # pooled guidance attention of the running step, written by the attention function (§2.3)

@@ -152,10 +152,21 @@ def run_guidance(language_model: torch.nn.Module, cache: HermesCache, plan: Guid
         raise ValueError(f"ids: expected {len(plan.kinds)} prompts for each of {cache.batch_size} streams")
     if chunk is not None and not plan.kinds:
         raise ValueError("chunk: a fused prefill needs at least one guidance prompt (plan.kinds is empty)")
+    hybrid = cache.linear_states is not None
+    if chunk is not None and hybrid:
+        raise ValueError("chunk: a hybrid model's guidance cannot ride in a chunk's prefill (the prompts would pass "
+                         "through the linear-attention layers' states); run it on its own (docs/qwen3_5.md#guidance)")
     attn = cache.guidance_attn[:, :, :visual]
     attn.zero_()
-    if plan.kinds:
-        _guidance_forward(language_model, cache, plan, ids, backend, chunk)
+    if not hybrid or len(plan.kinds) < 2:
+        if plan.kinds:
+            _guidance_forward(language_model, cache, plan, ids, backend, chunk)
+        return attn
+    # a hybrid model: one read-only forward per prompt, as a packed prompt would read the one before it through
+    # the linear-attention layers' recurrent state
+    for index, kind in enumerate(plan.kinds):
+        single = GuidancePlan(kinds=(kind,), kind_of_layer=tuple(k if k == kind else None for k in plan.kind_of_layer))
+        _guidance_forward(language_model, cache, single, [[stream[index]] for stream in ids], backend, None)
     return attn
 
 

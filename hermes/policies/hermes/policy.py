@@ -32,18 +32,24 @@ class HermesPolicy(StreamPolicy):
         budget:         visual tokens kept per layer (|M|).
         reindex:        "lazy" (streaming, default) or "eager" re-indexing of positions (§2.7).
         config:         a full `HermesConfig` instead of the family preset (prefix_len and num_layers must match).
-        fused_guidance: True (default): guidance prompts in the chunk's own prefill forward (§4); False: a
-                        separate guidance pass after the prefill.
+        fused_guidance: True: guidance prompts in the chunk's own prefill forward (§4); False: a separate guidance
+                        pass after the prefill; None (default): True, except on a hybrid model (Qwen3.5), whose
+                        linear-attention states would take the prompts in (docs/qwen3_5.md#guidance).
         overrides:      further preset fields (e.g. margin=..., summary=False).
     """
 
     name = "hermes"
 
     def __init__(self, setup: StreamSetup, *, budget: int = 6000, reindex: str = "lazy",
-                 config: HermesConfig | None = None, fused_guidance: bool = True, **overrides):
+                 config: HermesConfig | None = None, fused_guidance: bool | None = None, **overrides):
         super().__init__(setup)
+        if fused_guidance is None:
+            fused_guidance = setup.linear is None
         if not isinstance(fused_guidance, bool):
-            raise TypeError(f"fused_guidance: expected a bool, got {fused_guidance!r}")
+            raise TypeError(f"fused_guidance: expected a bool or None, got {fused_guidance!r}")
+        if fused_guidance and setup.linear is not None:
+            raise ValueError("fused_guidance: on a hybrid model the guidance prompts would pass through the "
+                             "linear-attention layers' states; leave it None or False (docs/qwen3_5.md#guidance)")
         geometry, P = setup.geometry, setup.prefix_len
         if config is None:
             config = HermesConfig.preset(setup.family.preset_name, geometry.num_layers, budget, P,
@@ -60,7 +66,8 @@ class HermesPolicy(StreamPolicy):
         self.cache = HermesCache(
             config, batch_size=setup.batch_size, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
             capacity=config.prefix_len + config.budget + setup.chunk_tokens + setup.room, dtype=setup.dtype,
-            inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices, group=self.group)
+            inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices, group=self.group,
+            linear=setup.linear)
         self.plan = GuidancePlan.from_config(config)
         self._prompt_ids: tuple[tuple, list] | None = None  # (history, its prompts' token ids)
 
