@@ -1,8 +1,8 @@
 """Helpers of the stream tests: the model families under test (`CASES`: how to build the tiny model, make a chunk
 of pixels, and encode it with the model's own vision path for reference runs; `QWEN3_VL` and `QWEN3_5`, whose
 references are their own, below), HERMES streams with poisoned free slots, the references, and the two-thread
-runner. References never go through the engine: they run the unpatched model (sdpa, or eager for attention maps) over the full sequence or over a
-`DynamicCache` holding the same keys.
+runner. References never go through the engine: they run the unpatched model (sdpa, or eager for attention maps)
+over the full sequence or over a `DynamicCache` holding the same keys.
 """
 from __future__ import annotations
 
