@@ -68,8 +68,9 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     # Qwen3.5, the full-attention part of transformers 5.24's default Qwen3_5Config: 8 of its 32 layers hold a
     # growing K/V cache (the other 24 are linear attention with a fixed state, nothing to compress), 16 heads over
     # 4 KV heads of D 256, partial rotary (partial_rotary_factor 0.25: R = 64, inv_freq over R) with interleaved
-    # M-RoPE [11, 11, 10] over the 32 pairs. Preset: Qwen3-VL's constants (the same video layout), over 8 layers.
-    _shape("qwen3.5", "qwen3_vl", layers=8, heads=16, kv_heads=4, head_dim=256, theta=1e4, max_positions=32768,
+    # M-RoPE [11, 11, 10] over the 32 pairs. Preset: its own, `qwen3_5` (Qwen3-VL's constants at 32768 positions),
+    # over the 8 full-attention layers.
+    _shape("qwen3.5", "qwen3_5", layers=8, heads=16, kv_heads=4, head_dim=256, theta=1e4, max_positions=32768,
            rotary=RotaryLayout.interleaved((11, 11, 10))),
 )}
 

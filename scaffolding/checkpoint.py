@@ -12,11 +12,14 @@ import argparse
 import json
 import os
 
-from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_vl
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_vl
 from scaffolding.processors import tiny_image_processor, tiny_video_processor_config
 from scaffolding.tokenizer import tiny_tokenizer
 
-BUILDERS = {"llava_onevision": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl}
+BUILDERS = {"llava_onevision": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,
+            "qwen3_5": tiny_qwen3_5, "qwen3_5_moe": tiny_qwen3_5_moe}
+# model types whose tiny tokenizer splits digits: their chunks carry text timestamps
+DIGIT_TOKENIZERS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 
 def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int = 0) -> str:
@@ -32,12 +35,13 @@ def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int =
     if model_type not in BUILDERS:
         raise ValueError(f"model_type: expected one of {sorted(BUILDERS)}, got {model_type!r}")
     BUILDERS[model_type](seed=seed).save_pretrained(folder)
-    tiny_tokenizer(digits=model_type == "qwen3_vl").save_pretrained(folder)
+    tiny_tokenizer(digits=model_type in DIGIT_TOKENIZERS).save_pretrained(folder)
     tiny_image_processor(model_type).save_pretrained(folder)
     if model_type == "llava_onevision":
         processor = {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 64,
                      "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}
     else:
+        # Qwen3.5's checkpoints name Qwen3-VL's processor (transformers has no Qwen3.5 processor)
         processor = {"processor_class": "Qwen2_5_VLProcessor" if model_type == "qwen2_5_vl" else "Qwen3VLProcessor"}
     for name, content in (("video_preprocessor_config.json", tiny_video_processor_config(model_type)),
                           ("processor_config.json", processor)):

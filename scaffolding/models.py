@@ -1,7 +1,9 @@
-"""Tiny random-weight LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL models built from configs (docs/testing.md#scaffolding).
+"""Tiny random-weight LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL and Qwen3.5 models built from configs
+(docs/testing.md#scaffolding).
 
-Nothing is downloaded. The models keep the real architectures (Qwen2 / Qwen2.5-VL / Qwen3-VL decoders with GQA,
-SigLIP / Qwen vision towers, Qwen3-VL's DeepStack mergers) at toy sizes so a forward takes milliseconds on CPU.
+Nothing is downloaded. The models keep the real architectures (Qwen2 / Qwen2.5-VL / Qwen3-VL / Qwen3.5 hybrid
+decoders with GQA, SigLIP / Qwen vision towers, Qwen3-VL's DeepStack mergers) at toy sizes so a forward takes
+milliseconds on CPU.
 Weights are drawn with a larger initializer range than the default 0.02 so attention is far from uniform and
 guidance scores are well separated (selection then does not hinge on rounding). Under tensor parallelism each rank
 holds an equal share of the heads, so a tiny model's KV heads must be a multiple of the rank count: 2 ranks for the
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import torch
 from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+                          Qwen2_5_VLForConditionalGeneration, Qwen3_5Config, Qwen3_5ForConditionalGeneration,
+                          Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration)
 
 from scaffolding.tokenizer import tiny_tokenizer
 
@@ -82,3 +86,62 @@ def tiny_qwen3_vl(seed: int = 0, num_layers: int = 4, max_positions: int = 4096,
         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
     return Qwen3VLForConditionalGeneration(config).to(dtype).eval()
+
+
+def qwen3_5_layer_types(full_layers: int) -> list[str]:
+    """Irregular hybrid layer types with `full_layers` full-attention layers: linear first and last, full layers in
+    pairs with a linear layer after each pair (3: linear, full, full, linear, full, linear), so no code can get by
+    with a fixed interval."""
+    if isinstance(full_layers, bool) or not isinstance(full_layers, int) or full_layers < 1:
+        raise ValueError(f"num_layers: expected a positive count of full-attention layers, got {full_layers!r}")
+    types = ["linear_attention"]
+    for index in range(full_layers):
+        types.append("full_attention")
+        if index % 2 or index == full_layers - 1:
+            types.append("linear_attention")
+    return types
+
+
+def _tiny_qwen3_5(config_class, model_class, seed, num_layers, layer_types, max_positions, dtype, **text):
+    tok = tiny_tokenizer(digits=True)
+    if layer_types is None:
+        layer_types = qwen3_5_layer_types(3 if num_layers is None else num_layers)
+    elif num_layers is not None:
+        raise ValueError("num_layers: pass either num_layers (full-attention layers) or layer_types")
+    torch.manual_seed(seed)
+    config = config_class(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=16, initializer_range=0.2),
+        text_config=_text_config(len(tok), len(layer_types), max_positions, head_dim=64, layer_types=list(layer_types),
+                                 linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                 linear_num_key_heads=2, linear_num_value_heads=4,
+                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2],
+                                                      mrope_interleaved=True, partial_rotary_factor=0.25), **text),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
+    return model_class(config).to(dtype).eval()
+
+
+def tiny_qwen3_5(seed: int = 0, num_layers: int | None = None, max_positions: int = 4096,
+                 dtype: torch.dtype = torch.float32, layer_types: list[str] | None = None) \
+        -> Qwen3_5ForConditionalGeneration:
+    """Qwen3.5 (hybrid decoder, Qwen3-VL's tower without DeepStack): `num_layers` full-attention layers (default 3)
+    laid out by `qwen3_5_layer_types` (3: linear, full, full, linear, full, linear), or explicit `layer_types`.
+    Full-attention layers: 4 heads, 2 KV heads, head dim 64 of which partial_rotary_factor 0.25 turns R = 16
+    channels (8 frequency pairs, interleaved mrope_section [3, 3, 2], the released [11, 11, 10] scaled down);
+    Gated DeltaNet layers: 2 key and 4 value heads of 16, conv kernel 4. A 2-block tower (patch 2, merge 2,
+    temporal patch 2): a 16 x 16 frame pair gives 4 x 4 merged tokens. Its tokenizer is tiny_tokenizer(digits=True)."""
+    return _tiny_qwen3_5(Qwen3_5Config, Qwen3_5ForConditionalGeneration, seed, num_layers, layer_types,
+                         max_positions, dtype)
+
+
+def tiny_qwen3_5_moe(seed: int = 0, num_layers: int | None = None, max_positions: int = 4096,
+                     dtype: torch.dtype = torch.float32, layer_types: list[str] | None = None) \
+        -> Qwen3_5MoeForConditionalGeneration:
+    """`tiny_qwen3_5` with Qwen3.5-MoE's sparse MLPs: 4 experts of width 32, 2 per token, a shared expert of 32."""
+    return _tiny_qwen3_5(Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, seed, num_layers, layer_types,
+                         max_positions, dtype, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32)

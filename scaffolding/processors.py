@@ -18,7 +18,8 @@ def tiny_video_processor_config(model_type: str) -> dict:
     """The video processor settings of a tiny checkpoint, as transformers' video processor saves them
     (video_preprocessor_config.json): LLaVA-OV frames resized to the 16 x 16 tower; Qwen2.5-VL patch 2, merge
     2, temporal patch 2 and TINY_QWEN_PIXELS, with the CLIP means and stds both processors default to; Qwen3-VL
-    patch 2, merge 2, temporal patch 2 and TINY_QWEN3_PIXELS, with its processor's 0.5 means and stds."""
+    (and Qwen3.5, which uses its processor) patch 2, merge 2, temporal patch 2 and TINY_QWEN3_PIXELS, with its
+    processor's 0.5 means and stds."""
     common = dict(resample=3, rescale_factor=1 / 255, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
                   do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, do_sample_frames=False)
     if model_type == "llava_onevision":
@@ -26,12 +27,13 @@ def tiny_video_processor_config(model_type: str) -> dict:
     if model_type == "qwen2_5_vl":
         return dict(video_processor_type="Qwen2VLVideoProcessor", patch_size=2, temporal_patch_size=2, merge_size=2,
                     size={"shortest_edge": TINY_QWEN_PIXELS[0], "longest_edge": TINY_QWEN_PIXELS[1]}, **common)
-    if model_type == "qwen3_vl":
+    if model_type in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):  # Qwen3.5 uses Qwen3-VL's video processor
         common.update(image_mean=IMAGENET_STANDARD_MEAN, image_std=IMAGENET_STANDARD_STD)
         return dict(video_processor_type="Qwen3VLVideoProcessor", patch_size=2, temporal_patch_size=2, merge_size=2,
                     size={"shortest_edge": TINY_QWEN3_PIXELS[0], "longest_edge": TINY_QWEN3_PIXELS[1]},
                     max_video_tokens=TINY_QWEN3_PIXELS[2], **common)
-    raise ValueError(f"model_type: expected llava_onevision, qwen2_5_vl or qwen3_vl, got {model_type!r}")
+    raise ValueError(f"model_type: expected llava_onevision, qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe, got "
+                     f"{model_type!r}")
 
 
 def tiny_image_processor(model_type: str):

@@ -11,12 +11,15 @@ import torch
 from .base import ModelFamily, VideoChunk, check_pixels
 from .llava_ov import LlavaOneVision
 from .qwen2_5_vl import Qwen2_5_VL
+from .qwen3_5 import Qwen3_5
 from .qwen3_vl import Qwen3_VL
 
 FAMILIES: dict[str, type[ModelFamily]] = {
     "llava_onevision": LlavaOneVision,
     "qwen2_5_vl": Qwen2_5_VL,
     "qwen3_vl": Qwen3_VL,
+    "qwen3_5": Qwen3_5,
+    "qwen3_5_moe": Qwen3_5,
 }
 
 

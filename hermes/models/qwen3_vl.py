@@ -172,9 +172,16 @@ class Qwen3_VL(Qwen2_5_VL):
         # as Qwen3VLModel.forward: token embeddings with the visual slots scattered over, stream-major
         embeds = embed(tokens).expand(batch_size, -1, -1).masked_scatter(
             visual[None, :, None], torch.cat(features.pooler_output).to(device=device, dtype=dtype))
-        deepstack = [torch.cat(feature).to(device=device, dtype=dtype) for feature in features.deepstack_features]
-        extra = functools.partial(deepstack_kwargs, visual=visual, batch_size=batch_size, features=deepstack)
-        return VideoChunk(embeds=embeds, rel_positions=rel.to(device), frames=grid[0], extent=extent, extra=extra)
+        return VideoChunk(embeds=embeds, rel_positions=rel.to(device), frames=grid[0], extent=extent,
+                          extra=self._extra(features, visual, batch_size, dtype))
+
+    @staticmethod
+    def _extra(features, visual: torch.Tensor, batch_size: int, dtype: torch.dtype):
+        """The chunk's `extra`: DeepStack's arguments (`deepstack_kwargs`) from the tower's output; visual: bool [T],
+        the chunk's visual slots, on the language model's device."""
+        deepstack = [torch.cat(feature).to(device=visual.device, dtype=dtype)
+                     for feature in features.deepstack_features]
+        return functools.partial(deepstack_kwargs, visual=visual, batch_size=batch_size, features=deepstack)
 
     @staticmethod
     def _check_timestamps(timestamps, count: int) -> list[float]:

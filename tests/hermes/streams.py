@@ -1,8 +1,8 @@
 """Helpers of the stream tests: the model families under test (`CASES`: how to build the tiny model, make a chunk
-of pixels, and encode it with the model's own vision path for reference runs; `QWEN3_VL`, whose references are its
-own, below), HERMES streams with poisoned free slots, the references, and the two-thread runner. References never go
-through the engine: they run the unpatched model (sdpa, or eager for attention maps) over the full sequence or over a
-`DynamicCache` holding the same keys.
+of pixels, and encode it with the model's own vision path for reference runs; `QWEN3_VL` and `QWEN3_5`, whose
+references are their own, below), HERMES streams with poisoned free slots, the references, and the two-thread
+runner. References never go through the engine: they run the unpatched model (sdpa, or eager for attention maps)
+over the full sequence or over a `DynamicCache` holding the same keys.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 import torch
 
-from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_vl
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_vl
 from scaffolding.pixels import llava_pixels, qwen_pixels
 from scaffolding.tokenizer import tiny_tokenizer
 import hermes.attention
@@ -149,6 +149,13 @@ def _qwen3_bad_chunks(batch, g):
 QWEN3_VL = Case(name="qwen3_vl", build=tiny_qwen3_vl, frames=QWEN_FRAMES, chunk=_qwen3_chunk, encode=None,
                 stream_kwargs={"frame_size": QWEN3_FRAME}, bad_chunks=_qwen3_bad_chunks, mrope=True,
                 tokenizer=lambda: tiny_tokenizer(digits=True))
+
+# Qwen3.5 (hybrid decoder, Qwen3-VL's chunk layout without DeepStack): Qwen3-VL's chunks and bad chunks (timestamps
+# included); its references (the model's own forward) are in tests/hermes/models/test_qwen3_5.py. Not yet in the
+# shared stream checks' FAMILIES: they need the hybrid cache (linear-attention states).
+QWEN3_5 = Case(name="qwen3_5", build=tiny_qwen3_5, frames=QWEN_FRAMES, chunk=_qwen3_chunk, encode=None,
+               stream_kwargs={"frame_size": QWEN3_FRAME}, bad_chunks=_qwen3_bad_chunks, mrope=True,
+               tokenizer=lambda: tiny_tokenizer(digits=True))
 
 
 def make_stream(case: Case, model, **kwargs) -> HermesStream:

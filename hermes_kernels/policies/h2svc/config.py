@@ -139,7 +139,7 @@ class H2SVCConfig:
     max_positions: int = 32768
     margin: int = 1024
 
-    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl")
+    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
     head_classes: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
     profiled: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -269,5 +269,16 @@ class H2SVCConfig:
         """Qwen3-VL: as `qwen2_5_vl` (one frame = one temporal grid step of two sampled frames), with 16 px patches
         merged 2×2, so 196 tokens for 448² px input; 262144 positions (Qwen3-VL-8B); M-RoPE with interleaved
         sections (`RotaryLayout.interleaved`); the paper's windows and ratios."""
+        return cls.qwen2_5_vl(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
+                              head_map=head_map, max_positions=max_positions, **overrides)
+
+    @classmethod
+    def qwen3_5(cls, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int = 196,
+                head_map=None, max_positions: int = 32768, **overrides) -> "H2SVCConfig":
+        """Qwen3.5 and Qwen3.5-MoE (docs/qwen3_5.md): `num_layers` counts the FULL-ATTENTION layers only, so
+        `head_map` is [L_full, Hkv] over (full-attention layer, KV head) pairs in depth order; the linear-attention
+        layers hold no tokens and are routed nowhere. Otherwise `qwen3_vl` (the same vision tower and video layout:
+        196 tokens for 448² px input, one frame = one temporal grid step) with the 32768 positions of transformers
+        5.24's default Qwen3.5 config (8 full-attention layers of 4 KV heads there)."""
         return cls.qwen2_5_vl(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
                               head_map=head_map, max_positions=max_positions, **overrides)

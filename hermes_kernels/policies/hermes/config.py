@@ -59,7 +59,7 @@ class HermesConfig:
     margin: int = 1024
     eps: float = 1e-6
 
-    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl", "paper")
+    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "paper")
 
     role: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
     omega: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
@@ -199,6 +199,18 @@ class HermesConfig:
         no constants of its own for it, so this is `qwen2_5_vl` with Qwen3-VL-8B's 262144 positions. The layer
         split is by fraction of depth (36 layers: 0-2 shallow, 3-24 mid, 25-35 deep). Positions are 3D M-RoPE
         with interleaved sections (`RotaryLayout.interleaved`); compaction ranks each axis separately.
+        """
+        return cls.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
+
+    @classmethod
+    def qwen3_5(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 32768,
+                **overrides) -> "HermesConfig":
+        """Qwen3.5 and Qwen3.5-MoE (docs/qwen3_5.md): `num_layers` counts the FULL-ATTENTION layers only, the ones
+        whose cache grows and is compressed; the linear-attention layers hold no tokens and have no role. Constants
+        are `qwen2_5_vl`'s (as for `qwen3_vl`: the paper gives none for this family) with the 32768 positions of
+        transformers 5.24's default Qwen3.5 config. The split is by fraction of the full-attention depth: the
+        default config's 8 full layers (of 32) give no shallow layer, 0-4 mid and 5-7 deep, counted in depth order
+        over the full-attention layers. Positions are 3D M-RoPE, interleaved over the rotary part of each head.
         """
         return cls.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
 

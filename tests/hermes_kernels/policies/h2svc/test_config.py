@@ -35,6 +35,14 @@ def test_qwen3_vl_preset():
     assert cfg == H2SVCConfig.qwen2_5_vl(36, 8, 20, max_positions=262144)
 
 
+def test_qwen3_5_preset():
+    """Qwen3.5: the head map is over the full-attention layers only (8 x 4 KV heads in the default config)."""
+    cfg = H2SVCConfig.preset("qwen3_5", 8, 4, 20)
+    assert (cfg.tokens_per_frame, cfg.max_positions, cfg.windows) == (196, 32768, (4, 16, 64))
+    assert cfg == H2SVCConfig.qwen2_5_vl(8, 4, 20, max_positions=32768)
+    assert cfg.head_classes.shape == (8, 4) and "qwen3_5" in H2SVCConfig.PRESETS
+
+
 @pytest.mark.parametrize("H, ratios, expected", [
     (1, (0.1, 0.4), (0, 1, 0)),      # floor(0.6) = 0, floor(1.0) - 0 = 1
     (5, (0.1, 0.4), (1, 2, 2)),      # floor(1.0) = 1, floor(3.0) - 1 = 2

@@ -40,6 +40,16 @@ def test_qwen3_vl_preset_is_qwen2_5_vl_at_qwen3_vl_8b():
     assert qwen3.roles() == ["shallow"] * 3 + ["mid"] * 22 + ["deep"] * 11
 
 
+def test_qwen3_5_preset_counts_full_attention_layers():
+    """Qwen3.5: num_layers is the full-attention layers (8 of the default config's 32); Qwen2.5-VL's constants at
+    32768 positions, the split by fraction of those 8 layers: no shallow layer, 0-4 mid, 5-7 deep."""
+    qwen3_5 = HermesConfig.preset("qwen3_5", 8, 4000, 14)
+    assert qwen3_5.max_positions == 32768
+    assert qwen3_5 == HermesConfig.qwen2_5_vl(8, 4000, 14, max_positions=32768)
+    assert qwen3_5.roles() == ["mid"] * 5 + ["deep"] * 3
+    assert "qwen3_5" in HermesConfig.PRESETS
+
+
 def test_device_copies_are_memoised():
     cfg = HermesConfig.llava_ov(4, 10, 2)
     assert cfg.on("cpu") is cfg.on("cpu")
