@@ -100,7 +100,9 @@ class LinearStates:
     A storing forward context works on the working copy (the committed state copied in at its first touch of a
     layer) and commits at a successful end by swapping the two, so the committed state before it stays in the
     other copy: `undo()` puts it back until the next storing context. A read-only context works on clones and
-    drops them. A context that raises commits nothing. The model's layers see transformers' interface:
+    drops them. A context that raises commits nothing. A forward run outside any context (the cache used as a plain
+    transformers cache) is a storing context of its own: it begins at decoder layer 0 and commits once the last
+    decoder layer has run (`forward_begins`, `forward_ends`). The model's layers see transformers' interface:
     `get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state` (decoder indices).
     """
 
@@ -122,19 +124,35 @@ class LinearStates:
         self.epoch = 0
         self._undo: bool | None = None  # has_state before the last commit, while that commit can be undone
         self._mode: str | None = None
+        self._implicit = False  # the running context is one forward outside forward_context
         self._live: dict[int, _Live] = {}
 
     # ---- forward contexts ---------------------------------------------------------------------------------
     def begin(self, store: bool) -> None:
         """A forward context starts: `store` (its forwards carry the stream on) or read-only."""
         self._mode = "store" if store else "read"
+        self._implicit = False
         self._live = {}
+
+    def forward_begins(self) -> None:
+        """Decoder layer 0 of a forward outside any context: a storing context of its own begins (one a failed
+        forward left open is dropped)."""
+        if self._mode is None or self._implicit:
+            if self._live:
+                self._undo = None
+            self.begin(store=True)
+            self._implicit = True
+
+    def forward_ends(self) -> None:
+        """The last decoder layer of a forward outside any context has run: it commits."""
+        if self._implicit:
+            self.end(True)
 
     def end(self, success: bool) -> None:
         """The context ends: a successful storing context that ran the layers commits (the working copy becomes
         the committed state, the previous one kept for `undo`); anything else is dropped."""
         mode, live = self._mode, self._live
-        self._mode, self._live = None, {}
+        self._mode, self._live, self._implicit = None, {}, False
         if mode != "store" or not live:
             return
         if not success or len(live) != len(self.slot_of) or any(state.fresh for state in live.values()):

@@ -38,6 +38,7 @@ class Case:
                 own vision path.
     stream_kwargs: extra HermesStream arguments (frame_size for Qwen2.5-VL).
     bad_chunks: (batch, generator) -> {name: append_video kwargs that must be rejected}.
+    linear:     the decoder has linear-attention layers (Qwen3.5): ragged question batches are refused.
     """
 
     name: str
@@ -49,6 +50,7 @@ class Case:
     bad_chunks: Callable
     mrope: bool
     tokenizer: Callable = tiny_tokenizer  # () -> the tiny model's tokenizer
+    linear: bool = False
 
 
 LLAVA_FRAMES = 2
@@ -155,7 +157,7 @@ QWEN3_VL = Case(name="qwen3_vl", build=tiny_qwen3_vl, frames=QWEN_FRAMES, chunk=
 # shared stream checks' FAMILIES: they need the hybrid cache (linear-attention states).
 QWEN3_5 = Case(name="qwen3_5", build=tiny_qwen3_5, frames=QWEN_FRAMES, chunk=_qwen3_chunk, encode=None,
                stream_kwargs={"frame_size": QWEN3_FRAME}, bad_chunks=_qwen3_bad_chunks, mrope=True,
-               tokenizer=lambda: tiny_tokenizer(digits=True))
+               tokenizer=lambda: tiny_tokenizer(digits=True), linear=True)
 
 
 def make_stream(case: Case, model, **kwargs) -> HermesStream:

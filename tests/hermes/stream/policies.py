@@ -17,18 +17,20 @@ from typing import Callable
 import torch
 
 import hermes_kernels as hk
+from hermes.policy import attention_layers
 from hermes.stream import HermesStream
 from hermes_kernels.policies.h2svc.config import EPISODIC
 from hermes_kernels.policies.hermes import compaction
 from tests.hermes.policies.h2svc.checks import h2svc_step_fails, h2svc_stream
 from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
 from tests.hermes.stream import fifo_policy
-from tests.hermes.streams import CASES, QUESTION, QWEN3_VL, make_stream
+from tests.hermes.streams import CASES, QUESTION, QWEN3_5, QWEN3_VL, make_stream
 from tests.utils import assert_close_verbose, poison_, same_bytes
 
 ERRORS = {"oom": torch.OutOfMemoryError, "interrupt": KeyboardInterrupt}
-# the model families of the shared checks: the per-policy tests' CASES and Qwen3-VL (DeepStack, timestamps)
-FAMILIES = {**CASES, QWEN3_VL.name: QWEN3_VL}
+# the model families of the shared checks: the per-policy tests' CASES, Qwen3-VL (DeepStack, timestamps) and Qwen3.5
+# (hybrid: linear-attention layers whose states the caches carry, partial rotary)
+FAMILIES = {**CASES, QWEN3_VL.name: QWEN3_VL, QWEN3_5.name: QWEN3_5}
 H2SVC_WINDOWS = dict(instant_frames=1, short_frames=2, episodic_frames=3)  # every chunk after the second evicts
 
 
@@ -66,13 +68,13 @@ def cache_buffers(stream) -> list[torch.Tensor]:
 
 def same_rows(a, b, stream_a: int, stream_b: int) -> None:
     """Stream a of `a` holds what stream b of `b` holds: the same length and named contents, keys and values
-    equal up to the dtype's tolerance (a batch computes them apart), everything else (positions, slot frames,
-    features) exactly."""
+    equal up to the dtype's tolerance (a batch computes them apart), as are a hybrid model's linear-attention states;
+    everything else (positions, slot frames, features) exactly."""
     assert a.cache.length == b.cache.length
     x, y = a.cache.contents(), b.cache.contents()
     assert list(x) == list(y)
     for name in x:
-        if name.endswith(("keys", "values")):
+        if name.endswith(("keys", "values", "state")):
             assert_close_verbose(x[name][stream_a], y[name][stream_b], name=name)
         else:
             assert torch.equal(x[name][stream_a], y[name][stream_b]), name
@@ -239,9 +241,10 @@ def assert_same_stream(policy: PolicyCase, a, b) -> None:
 @contextlib.contextmanager
 def fault(model, phase: str, error: type, monkeypatch, after: int = 0):
     """Make `phase` fail with `error` on its (after + 1)-th run: the vision tower, decoder layer 0 (before its
-    cache write), the last decoder layer (after its cache write), the pooled guidance attention (after the kernel
+    cache write), the last decoder layer (after its cache write; Qwen3.5's is a linear-attention layer, after its
+    state write), the pooled guidance attention (after the kernel
     wrote its scores), or the step's validation: "scores validation" makes the pooled attention non-finite (the
-    HERMES step refuses it), "values validation" the last layer's values (an H2SVC episodic head's arriving
+    HERMES step refuses it), "values validation" the last attention layer's values (an H2SVC episodic head's arriving
     frames, refused by the step)."""
     runs = [0]
 
@@ -264,7 +267,7 @@ def fault(model, phase: str, error: type, monkeypatch, after: int = 0):
         elif phase == "scores validation":
             patch.setattr(hk, "pooled_attention", lambda *a, **k: pooled(*a, **k).fill_(float("nan")))
         elif phase == "values validation":
-            hooks.append(layers[-1].self_attn.v_proj.register_forward_hook(
+            hooks.append(attention_layers(model)[-1].self_attn.v_proj.register_forward_hook(
                 lambda module, args, out: out.fill_(float("nan"))))
         else:
             raise ValueError(phase)
