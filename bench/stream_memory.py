@@ -40,8 +40,8 @@ QWEN3_TEXT_PER_STEP = 12
 
 
 def frame_tokens(name: str) -> int:
-    """T_f of a shape: TOKENS_PER_FRAME visual tokens, Qwen3-VL's with its step's text."""
-    return TOKENS_PER_FRAME + (QWEN3_TEXT_PER_STEP if get_shape(name).preset_name == "qwen3_vl" else 0)
+    """T_f of a shape: TOKENS_PER_FRAME visual tokens, Qwen3-VL's and Qwen3.5's with their step's text."""
+    return TOKENS_PER_FRAME + (QWEN3_TEXT_PER_STEP if get_shape(name).preset_name in ("qwen3_vl", "qwen3_5") else 0)
 
 
 def memory_frames(name: str, seconds: float, fps: float) -> int:
