@@ -68,13 +68,17 @@ def checkpoint_folder(path: str | os.PathLike) -> str:
 
 def check_checkpoint(path: str | os.PathLike) -> tuple[object, object]:
     """(config, family) of a local checkpoint folder, from its config.json alone (no weights): FileNotFoundError
-    or ValueError when it cannot be read (`checkpoint_folder`), UsageError for a model type no family supports."""
+    or ValueError when it cannot be read (`checkpoint_folder`), UsageError for a model type no family supports or
+    a decoder layer kind the caches do not hold (`layer_types`, e.g. sliding window)."""
     from transformers import AutoConfig
 
+    from hermes.linear_state import layer_kinds
     from hermes.models import family_of_type
 
     config = AutoConfig.from_pretrained(checkpoint_folder(path), **LOCAL_ONLY)
-    return config, usage(lambda: family_of_type(config.model_type))
+    family = usage(lambda: family_of_type(config.model_type))
+    usage(lambda: layer_kinds(config))
+    return config, family
 
 
 def load_processor(path: str | os.PathLike, family):

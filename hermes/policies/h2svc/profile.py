@@ -239,8 +239,8 @@ def _back_to_video(cache: DynamicCache, video_length: int, states: dict) -> None
         if i in states:
             layer.conv_states[0].copy_(states[i][0])
             layer.recurrent_states[0].copy_(states[i][1])
-        else:
-            layer.crop(video_length)
+        else:  # transformers 5: a negative count drops that many
+            layer.crop(video_length - layer.get_seq_length())
 
 
 def _per_kv_head(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -313,8 +313,7 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
                 sums = TADSums(num_layers, query_block, decoder_layers=decoder_layers)
                 records.append(_profile_clip(
                     model, processor, family, clip, sums, fps=fps, chunk_frames=chunk_frames, max_frames=max_frames,
-                    questions=questions,
-                    answer_tokens=answer_tokens, prefix_ids=prefix_ids, bar=bar))
+                    questions=questions, answer_tokens=answer_tokens, prefix_ids=prefix_ids, bar=bar))
     finally:
         bar.close()
 
