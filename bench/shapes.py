@@ -3,12 +3,14 @@
 A shape is a name, what the compression step sees of a model (`hermes_kernels.geometry.ModelGeometry`: layer
 count, query/KV heads, head dim, RoPE base and position limit, the rotary layout: contiguous M-RoPE sections for
 Qwen2.5-VL, interleaved for Qwen3-VL, interleaved over the first R of D channels for Qwen3.5) and its family's
-preset of both policies (HERMES `config`, H2SVC `h2svc_config`). Numbers are the models' published configs
-(Qwen3.5: transformers 5.24's default config).
+preset of both policies (HERMES `config`, H2SVC `h2svc_config`); a hybrid's linear-attention state: `LINEAR_STATES`.
+Numbers are the models' published configs (Qwen3.5: transformers 5.24's default config).
 """
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 from hermes_kernels import H2SVCConfig, HermesConfig, RotaryLayout
 from hermes_kernels.geometry import ModelGeometry
@@ -92,3 +94,49 @@ def get_shape(name: str) -> ModelShape:
     if found is None:
         raise ValueError(f"shape: unknown {name!r}; known: {sorted(SHAPES) + sorted(SMOKE_SHAPES)}")
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearStateShape:
+    """What a hybrid model's linear-attention (Gated DeltaNet) layers keep per stream instead of a token cache, as
+    transformers' `LinearAttentionLayer` allocates it (one per linear layer): the conv state [B, conv_dim,
+    conv_kernel] in the model dtype (conv_dim = 2·key_heads·key_dim + value_heads·value_dim, the q/k/v channels of
+    the short convolution) and the recurrent state [B, value_heads, key_dim, value_dim] in float32 (the chunked
+    delta rule works, and returns its final state, in float32). Fixed in the stream length."""
+
+    num_layers: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_config(cls, text_config) -> "LinearStateShape":
+        """From a transformers Qwen3.5 text config (`linear_*` fields; the layer count from `layer_types`)."""
+        return cls(num_layers=text_config.layer_types.count("linear_attention"),
+                   num_key_heads=text_config.linear_num_key_heads,
+                   num_value_heads=text_config.linear_num_value_heads,
+                   key_head_dim=text_config.linear_key_head_dim, value_head_dim=text_config.linear_value_head_dim,
+                   conv_kernel=text_config.linear_conv_kernel_dim)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    def layer_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one layer's conv + recurrent state for one stream, the conv state in `dtype`."""
+        return (self.conv_dim * self.conv_kernel * dtype.itemsize
+                + self.num_value_heads * self.key_head_dim * self.value_head_dim * torch.float32.itemsize)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of every linear layer's state for one stream (one copy)."""
+        return self.num_layers * self.layer_bytes(dtype)
+
+
+# The linear-attention part of the hybrid shapes, by shape name. Qwen3.5: transformers 5.24's default
+# Qwen3_5TextConfig, 24 of its 32 layers (layer_types), 16 key heads and 32 value heads of 128, kernel 4.
+LINEAR_STATES: dict[str, LinearStateShape] = {
+    "qwen3.5": LinearStateShape(num_layers=24, num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                                value_head_dim=128, conv_kernel=4),
+}

@@ -125,10 +125,9 @@ INLINE void rotate(const char *x, char *out, const int32_t *rows, int64_t stride
 /* dst <- bytes of src for a row written to a slot other than its own. With `stream` (the caller's choice), AVX and
  * a 32-byte aligned whole row the stores stream past the cache: nothing in the walk reads a destination again, and
  * an ordinary store that misses first reads the line it overwrites (a third of a move's traffic). H2SVC's moves
- * come from overflow slots a window away, whose destinations are cold: streamed, its fp32 step took 10-30 % less
- * (interleaved A/B at LLaVA-OV-7B). HERMES's kept tokens move a short way left onto lines the walk has just read,
- * where streaming made the bf16 compaction ~20 % slower: it keeps ordinary stores. The worker fences before it
- * returns. */
+ * come from overflow slots a window away, whose destinations are cold: they stream. HERMES's kept tokens move a short
+ * way left onto lines the walk has just read, still in cache, so an ordinary store there costs no extra read: it
+ * keeps ordinary stores. The worker fences before it returns. */
 INLINE void put_row(char *dst, const char *src, const size_t bytes, const int stream) {
 #if defined(__AVX__)
     if (stream && ((uintptr_t)dst & 31) == 0 && (bytes & 31) == 0) {

@@ -1,19 +1,9 @@
-"""The one place Triton kernels are launched from, so a step's launches can be observed and are made alike.
+"""The one place Triton kernels are launched from, so every launch is counted and made alike (docs/gpu.md#launches).
 
-`launch(kernel, grid, *args, **meta)` runs `kernel[grid](*args, **meta)` on the device its tensor arguments live
-on, and counts it; tests read `launch_count()` before and after a step to check that it does not grow with layers
-or streams. Two things every launch gets here (docs/gpu.md):
-
-- the device: Triton launches on the *current* CUDA device and its current stream, so the arguments' device is
-  made current for the launch (a model split over GPUs launches each stack on its own device and stream);
-  arguments on two different devices are refused, naming them, before anything runs;
-- the rounding: FMA contraction is set explicitly (`FP_FUSION`, off: every product and sum rounds once, as in the
-  torch and C twins), not left to Triton's default, which changes in Triton 3.10.
-
-Inside `recording()` a launch is not run but recorded (kernel, grid, arguments, meta-parameters, the device it
-would be made on): the GPU compile guard (`hermes_kernels.gpu_specs`, `python -m bench.kernels`) drives the
-launchers that way, with meta tensors at the real model shapes, so the signatures, constexprs and options it
-compiles are exactly the ones the launchers produce.
+`launch(kernel, grid, *args, **meta)` runs `kernel[grid](*args, **meta)` on the device (and its current stream) of
+its tensor arguments, refusing arguments on two devices, with FMA contraction set explicitly (`FP_FUSION`, off:
+docs/gpu.md#rounding); `launch_count()` counts launches for the tests (docs/api.md#backends). Inside `recording()`
+launches are recorded, not run: the GPU compile guard drives the launchers that way (docs/benchmarks.md#kernels).
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ from .rope import RotaryLayout, rotary_cos_sin, rotate_into
 
 __all__ = ["move_rows_torch", "TileRows", "tile_tokens", "TILE_ELEMENTS"]
 
-# Values per token tile of the torch path over all (layer, stream, head) rows: 2 MiB of fp32, about L2-sized
-# (1/4 and 4x were measured slower at the LLaVA-OV-7B shape).
+# Values per token tile of the torch path over all (layer, stream, head) rows: 2 MiB of fp32, about L2-sized, so a
+# gathered tile is still in cache when it is written back (re-measure the torch-ops rows of `python -m bench` at the
+# 7B shapes before changing it).
 TILE_ELEMENTS = 1 << 19
 
 

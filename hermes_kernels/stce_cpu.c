@@ -6,7 +6,7 @@
  * file runs the same state machine as the torch twin's loop and the Triton program: a doubly linked list of the live
  * lanes, each arrival appended at the tail, its predecessor rescored, and while more than `capacity` frames live the
  * lowest score evicted (the first minimum in lane order, i.e. the older frame on ties; endpoints score +inf) and its
- * two neighbours rescored. A row costs O(F · M), microseconds, where the torch twin pays tens of tensor ops per
+ * two neighbours rescored. A row costs O(F · M) scalar operations, where the torch twin pays tens of tensor ops per
  * arrival.
  *
  * Scores are computed in d2's dtype (float or double) with the torch twin's operations in its order — IEEE sqrt,

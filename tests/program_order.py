@@ -1,13 +1,10 @@
 """Run every Triton launch's programs in another order under the interpreter: reversed, or shuffled with a seed
 (docs/testing.md#program-order).
 
-A GPU runs a launch's programs in no set order, at once; Triton's interpreter (TRITON_INTERPRET=1) runs them one
-after another, in grid order. A kernel whose result depends on which program runs first (one program reading what
-another writes) therefore passes on the CPU and races on a GPU. Triton 3.9's interpreter runs a launch as: one
-`interpreter_builder.set_grid_dim(nx, ny, nz)`, then for x, y, z nested in order `set_grid_idx(x, y, z)` followed by
-the program; `tl.program_id` reads the index set last. `program_order` wraps those two methods of the interpreter's
-builder so the k-th program the loop runs gets the k-th grid index of a permutation of the grid instead: every
-program still runs exactly once, in another order. Nothing else of the interpreter changes.
+A GPU runs a launch's programs in no set order; Triton 3.9's interpreter runs them in grid order, so a kernel in
+which one program reads what another writes passes on the CPU and races on a GPU. `program_order` wraps the
+interpreter builder's `set_grid_dim` and `set_grid_idx` so the k-th program to run gets the k-th grid index of a
+permutation: every program still runs exactly once, and nothing else of the interpreter changes.
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Several ranks of one test, the way transformers' own tensor-parallel tests start them: `torch.multiprocessing.spawn`
-of N processes on this machine, each with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set and a gloo
-process group (CPU) whose timeout bounds every collective, so a rank that stops answering fails the others
-instead of hanging them (docs/multi-gpu.md#tested).
+"""Several ranks of one test on this machine, started as transformers' own tensor-parallel tests start them:
+`torch.multiprocessing.spawn`, the rank environment set, a gloo process group whose timeout bounds every collective
+so a silent rank fails the others instead of hanging them (docs/multi-gpu.md#tested).
 
     run_ranks(body, 2, *args)      # body(rank, world, *args) in each of 2 processes; a rank's exception fails the test
 
-`body` must be a module-level function of an importable module (spawn imports it again in every process). Process
-start and imports dominate the cost (seconds per rank on two cores): a test module groups its checks into one
-spawned run per rank count.
+`body` must be a module-level function of an importable module (spawn imports it again in every process). Starting
+processes dominates the cost, so a test module groups its checks into one spawned run per rank count.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 
 from hermes_kernels.policies.hermes import reference
 
-from bench import cli, inputs, report, stages, stream_memory
+from bench import cli, inputs, report, stages
 from bench.shapes import SHAPES, SMOKE_SHAPES
 from bench.inputs import Spec, make_inputs
 from bench.stages import (RELEASED, RELEASED_FAMILIES, RELEASED_STAGES, STAGES, Unavailable, cache_bytes, floor_bytes,
@@ -114,37 +114,6 @@ def test_h2svc_cache_bytes_at_llava_ov_7b():
     assert sizes["dense 64-frame"][0] == 112 * (14 + 64 * 196) * per_token
     assert sizes["hermes b=6000"][0] == 112 * (14 + 6000) * per_token
     assert 0.60 < sizes["h2svc"][0] / sizes["dense 64-frame"][0] < 0.61
-
-
-def test_stream_memory_table_at_the_7b_shapes():
-    """512 s at 1 fps: LLaVA-OV keeps 512 frames, Qwen2.5-VL 256 grid steps; fp16 K+V, 112 heads of D = 128, 196
-    tokens a frame, P = 14; H2SVC reserves P + (W_c + F_max)·T_f + 512 slots per row (F_max 16 frames, Qwen 8)."""
-    per_token, heads = 2 * 128 * 2, 28 * 4
-    rows = {"instant": 11, "short": 45, "episodic": 56}
-    windows = {"instant": 4, "short": 16, "episodic": 64}
-    for name, frames, chunk in (("llava-ov-7b", 512, 16), ("qwen2.5-vl-7b", 256, 8)):
-        sizes = stream_memory.stream_bytes(name, 512, 1.0)
-        assert sizes["frames"] == frames
-        assert sizes["full"] == heads * (14 + frames * 196) * per_token
-        assert sizes["hermes"] == heads * (14 + 6000) * per_token
-        assert sizes["h2svc"] == sum(rows[c] * (14 + windows[c] * 196) for c in rows) * per_token
-        assert sizes["h2svc_allocated"] == sum(rows[c] * (14 + (windows[c] + chunk) * 196 + 512)
-                                               for c in rows) * per_token
-        assert sizes["hermes_allocated"] == heads * (14 + 6000 + chunk * 196 + 512) * per_token
-    assert stream_memory.stream_bytes("llava-ov-7b", 512, 0.5)["frames"] == 256
-    assert stream_memory.stream_bytes("qwen2.5-vl-7b", 512, 0.5)["frames"] == 128
-    assert "76.2 GB" in stream_memory.report()
-
-
-def test_stream_memory_row_of_qwen3_vl_8b():
-    """Qwen3-VL-8B: 36 layers x 8 KV heads, 256 grid steps in 512 s at 1 fps, each step 196 visual tokens and 12 of
-    text (its timestamp and the vision markers)."""
-    per_token, heads, T_f = 2 * 128 * 2, 36 * 8, 196 + 12
-    sizes = stream_memory.stream_bytes("qwen3-vl-8b", 512, 1.0)
-    assert stream_memory.frame_tokens("qwen3-vl-8b") == T_f and sizes["frames"] == 256
-    assert sizes["full"] == heads * (14 + 256 * T_f) * per_token
-    assert sizes["hermes_allocated"] == heads * (14 + 6000 + 8 * T_f + 512) * per_token
-    assert "qwen3-vl-8b" in stream_memory.report()
 
 
 def test_h2svc_points_run_only_h2svc_stages_and_count_their_movers():

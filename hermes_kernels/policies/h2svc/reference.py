@@ -1,14 +1,10 @@
-"""The plain per-head PyTorch oracle of H2SVC (docs/h2svc.md §2–4, engine interface, docs/h2svc.md §7).
-
-Meant to be read next to the paper (docs/h2svc.md): every block names the formula it computes. It is slow on
-purpose (Python loops over layers, heads, streams and frames, one small op at a time) and is the single oracle
-every H2SVC kernel test imports. Features and scores are float32 (float64 for float64 input); keys, values
-and positions are updated in place exactly as the fast path does.
+"""The plain per-head PyTorch oracle of H2SVC (docs/h2svc.md §2–4; the step of docs/h2svc.md §7): slow on purpose,
+each block naming the formula it computes, the one oracle every H2SVC kernel test imports; its arithmetic and
+arguments are on docs/api.md#h2svc-reference.
 
 - §2 offline routing: `tad_v2v`, `tad_t2v`, `head_scores`, `classify_heads`.
 - §3 frame features and STCE: `frame_features`, `stce_scores`, `stce_select`, `stce_trace`.
-- FIFO classes: `fifo_keep`.
-- one step of a class block (slot plan + §4 right-aligned re-index): `h2svc_step`.
+- FIFO classes: `fifo_keep`; one step of a class block (slot plan + §4 right-aligned re-index): `h2svc_step`.
 """
 from __future__ import annotations
 

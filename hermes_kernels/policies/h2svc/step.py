@@ -1,43 +1,10 @@
-"""H2SVC stage (c): the in-place, frame-granular update of one class block after a chunk (docs/h2svc.md §3-§5; the
-engine interface, docs/h2svc.md §7).
+"""H2SVC stage (c): the in-place, frame-granular update of one class block after a chunk (docs/h2svc.md §3-§5).
+The state, the four steps (keep set, slot plan, bookkeeping, right-aligned re-index), the bytes moved and why in
+place is safe are in docs/h2svc.md#s7-2; the backends and the host-sync promise in docs/h2svc.md#s7-3.
 
-State of a class block with window W frames (T_f tokens each, prefix P), rows = the class's (layer, KV head)s:
-keys/values [H_c, B, C, D], positions [H_c, B, C] (1D) or [H_c, B, 3, C] (M-RoPE), slot_frames [H_c, B, W] and,
-for EPISODIC, features [H_c, B, W, D]. Frame slot s covers tokens [P + s·T_f, P + (s+1)·T_f); home slots are
-s < W. `held` frames sit in home slots [0, held); the chunk's F arrivals were written at frame slots held .. held+F-1
-(the ones from W on are overflow slots).
-
-One step, every row at once:
- 1. keep set: FIFO classes keep the newest min(W, held + F) frames; EPISODIC runs STCE (`stce.py`) over the held
-    frames and the arrivals' features (`features.py`) with capacity W;
- 2. slot plan (interface, ours): kept frames in home slots stay; `free` = home slots < held' = min(W, held + F)
-    whose frame is not kept, ascending; `movers` = kept frames in overflow slots, in arrival order; mover k goes
-    to free[k]. A mover's K, V, positions and feature move with it; its source slots are left as they were;
- 3. slot_frames <- the frame in each home slot (-1 from held' on); features of arrivals <- their frame features;
- 4. when the clock's `reindexed` (the caller's decision): the retained visual tokens of every row get, per axis,
-    new = P + shift + dense rank among the row's retained values on that axis, shift = (next_position - P) - E,
-    E = the largest distinct count over the axes: every row's newest coordinate lands at next_position - 1 (right
-    alignment, §4) and the prefix is untouched; keys are rotated by (new - old)·inv_freq in fp32
-    (`hermes_kernels.rope`: channels [0, R) for inv_freq [R/2]; a partial-rotary head keeps [R, D) bit for bit).
-
-The plan (keep masks, slot plan, positions, slot_frames, features) is torch ops shared by both backends; it reads no
-device tensor on the host (the `StreamClock`: held, F, first_frame, next_position and the re-index decision are the
-caller's host values), so a step on CUDA does not synchronise. On CPU tensors step 4's new positions and deltas come
-from one C call (`_reindex_native`, compact_cpu.c) when the library builds, else from the same torch ops. The row
-work is what the backends differ in:
-  h2svc_step_triton — ONE move launch (grid: rows·streams·work items × token tiles) after the feature and STCE
-      launches of an EPISODIC block;
-  h2svc_step_torch  — on CPU fp32/bf16 caches with contiguous rows, compaction's C row walk (`compact_cpu.c`, via
-      `rows_native.move_rows_native`, moved rows written with streaming stores): every row walked once, left to
-      right, in place; otherwise (fp16, fp64, CUDA tensors, no C compiler, HERMES_KERNELS_NATIVE=0: the
-      "torch-ops" path) torch ops over all rows at once: one indexed copy of the movers' frames, or compaction's
-      tiled rotation (`rows_torch.move_rows_torch`).
-Bytes the row work moves, per row and stream (T_f tokens of D elements a frame):
-  no re-index:   the movers' K and V rows only: read and write 2·movers·T_f rows (movers <= min(F, W)), plus
-      their positions; nothing else in the cache is touched;
-  re-index:      every retained key too: read and write held'·T_f key rows (rotated in place, or from a mover's
-      slot) and the movers' value rows, plus held'·T_f positions per axis.
-In place is safe: a work item reads only its own slot or an overflow slot, and no item writes an overflow slot.
+`plan_step` plans a step in torch ops shared by both backends, reading no device tensor on the host (`RowWork`);
+the row work is what the backends differ in: `h2svc_step_triton` (one move launch after an episodic block's
+feature and STCE launches) and `h2svc_step_torch` (the C row walk of `rows_native`, else `rows_torch`'s torch ops).
 """
 from __future__ import annotations
 
@@ -156,7 +123,7 @@ def _reindex_native(pos: torch.Tensor, source: torch.Tensor, prefix_len: int, to
 
 @dataclasses.dataclass
 class RowWork:
-    """The row work of one step, planned: what the backends' movers execute (see the module docstring).
+    """The row work of one step, planned: what the backends' movers execute (docs/h2svc.md#s7-3).
 
     held: held' = min(W, held + F). source int64 [H_c, B, held']: the frame slot each home slot takes its frame
     from (itself, or a mover's overflow slot). destination int64 [H_c, B, held + F - held']: the home slot each
@@ -259,8 +226,8 @@ def _move_rows_torch(keys, values, work: RowWork, cfg: H2SVCConfig, inv_freq, la
 def h2svc_step_torch(keys, values, positions, slot_frames, cfg: H2SVCConfig, cls: int, inv_freq,
                      rotary: Sequence[int] | RotaryLayout | None, clock: StreamClock,
                      features: torch.Tensor | None) -> int:
-    """One H2SVC step on a class block, in place, vectorised over rows and streams; inputs validated (see the
-    module docstring for the state and the steps). Returns held' = min(W, held + F). inv_freq [R/2]: re-indexed
+    """One H2SVC step on a class block, in place, vectorised over rows and streams; inputs validated (the state
+    and the steps: docs/h2svc.md#s7-2). Returns held' = min(W, held + F). inv_freq [R/2]: re-indexed
     keys turn in channels [0, R) and keep [R, D) bit for bit (partial rotary)."""
     layout = RotaryLayout.of(rotary, inv_freq.numel())
     work = plan_step(keys, values, positions, slot_frames, cfg, cls, layout, clock, features,

@@ -1,48 +1,10 @@
 """Stage 4: in-place compaction of the KV cache (docs/hermes.md §2.6–2.8; paper Alg. 1 and appendix E).
 
-For every (layer, stream): the kept visual tokens (`keep`, ascending) move to slots P..P+n_l-1 (the prefix stays),
-their positions become P + dense rank among the retained values of each axis when re-indexing, their keys are
-rotated by (p_new - p_old)·inv_freq (the first R channels, inv_freq [R/2]; a partial-rotary head's channels [R, D)
-move bit for bit), and deep layers that pruned something get a summary token at slot P+n_l
-(mean of the pruned values; mean of the pruned keys each rotated to the target t = max retained position + 1).
-
-The re-indexing decision (`reindexed`) stays a 0-dim bool tensor on the cache's device and is applied
-branch-free: positions become where(flag, compacted, old), so an uncompacted step rotates by a zero delta, which is
-an exact identity (cos 0 = 1, sin 0 = 0). By default it is decided from the given positions (eager: always; lazy:
-past max_positions - margin). A caller that compacts a model split over devices stack by stack (`layers`, a range of
-the config's layers held by the given tensors) decides it once for all stacks and passes it in; an explicit flag
-wins over the config, eager included, because §2.7 allows only one decision per step.
-
-Dense rank of the retained positions per axis. The 1D positions of a well-formed cache strictly increase in cache
-order, and so does the M-RoPE t axis (non-decreasing), but the h and w axes cycle over the patch grid inside every
-frame, so no method may assume monotone values. Both backends therefore compute the rank the general way — sort
-the retained values of one (layer, stream, axis), mark where the sorted value changes, prefix-sum the marks,
-scatter the ranks back — and the Triton rank kernel first checks on the device whether the row is already
-non-decreasing in cache order and then takes the cheap path (prefix sum of "differs from the previous retained
-value") without sorting. Both paths give the `torch.unique`-based dense rank of `hermes_kernels.rope.compact_positions`
-for any input, so the result never depends on how the cache was built.
-
-Two implementations of one contract: this file's torch twin and the Triton kernels of `compaction_triton.py`.
-  compact_triton — three launches whatever L, B and Hkv are: a rank kernel (one program per layer, stream and
-      axis), a plan kernel (one program per layer and stream: re-index flag, destination map, rotation deltas,
-      positions updated in place), and the move kernel (one program per layer, stream, KV head and channel group)
-      that walks the tokens left to right and moves/rotates K/V rows and accumulates the summary in registers.
-  compact_torch  — the CPU path. The planning (new positions, deltas, pruned slots, summary targets) is torch ops
-      over all layers and streams at once; the row work then takes one of two movers:
-      rows_native.move_rows_native — fp32/bf16 caches on CPU: one call of a C kernel (compact_cpu.c, built on
-          first use by `hermes_kernels.native`) that walks every (layer, stream, head) row left to right in place,
-          like the Triton move kernel, reading each row once and writing each kept row once;
-      rows_torch.move_rows_torch   — everything else (fp16, fp64, CUDA tensors, no C compiler,
-          HERMES_KERNELS_NATIVE=0): torch ops over all rows at once, looping only over L2-sized token tiles left
-          to right.
-      Why two: any torch-ops mover stages the rows through a gather buffer and writes them out again; at the
-      LLaVA-OV-7B shape on a 2-core CPU the tiled gather and write-back of K and V alone, without any rotation,
-      took 49 ms, more than the whole C walk with rotation and summary (about 40 ms). Neither path has a Python
-      loop over layers; the torch-ops path has no host sync (the C path reads the angle-table range, which on CPU
-      tensors costs nothing).
-The positions are rewritten by the plan kernel rather than by the move kernel's head-0 program: every head's
-program needs the old positions (through the deltas), so rewriting them while other programs still read them
-would race; the plan kernel owns the whole row and can order its reads before its writes with a barrier.
+For every (layer, stream) the kept visual tokens move to slots P..P+n_l-1, their positions are re-ranked when the
+step's decision `reindexed` says so, their keys turn by the position delta, and deep layers that pruned get a
+summary token. This file holds the torch twin, `compact_torch` (planning in torch ops, the row work in
+`rows_native` or `rows_torch`), and `decide_reindex`; the Triton kernels are in `compaction_triton.py`. How both
+run (the branch-free decision, dense ranks, the launches, the two row movers): docs/hermes.md#s4-1.
 """
 from __future__ import annotations
 

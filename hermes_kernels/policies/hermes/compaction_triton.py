@@ -56,7 +56,7 @@ def _one_hot(x, valid, digits, RADIX_BITS: tl.constexpr):
 # Rows already non-decreasing in cache order take the prefix-sum path; others are sorted in scratch (`sort_ptr`,
 # two int64 buffers of n_out per program) by an LSD radix sort of RADIX_BITS-bit digits of (value - row minimum):
 # one stable scatter sweep per digit, only as many digits as the row's span has (an in-register sort of the whole
-# row spilled and took minutes to compile at the 7B budgets). A key packs (value - minimum, lane) into one int64,
+# row spilled registers at the 7B budgets). A key packs (value - minimum, lane) into one int64,
 # so a row's retained values must span less than 2**(63 - idx_bits).
 @triton.jit
 def _rank_kernel(pos_ptr, keep_ptr, cand_ptr, rowmax_ptr, budget_ptr, sort_ptr,

@@ -1,12 +1,9 @@
 """The HERMES ops of the kernel library (docs/hermes.md §3): input checks, then the backend the one dispatch point
 (`hermes_kernels.dispatch`) picks, each implementing the contract of `hermes_kernels.policies.hermes.reference`.
 
-`compress_stacks` is the step for a cache whose layers are split into per-device stacks (`device_map` models): one
-selection and one re-index decision for all layers, then `compact` of each stack's layer range on its own device.
-The ops that score (`hermes_scores`, `compress_step`, `compress_stacks`) take `group=`, a `torch.distributed` process
-group whose ranks each hold a share of the heads (tensor parallelism): shapes are checked, then the ranks' pooled
-attention is averaged by one all-reduce (`tensor_parallel.group_mean`) and checked finite, then scored
-(docs/multi-gpu.md#what-crosses).
+`compress_stacks` is the step of a cache split into per-device stacks; the scoring ops take `group=` (tensor
+parallelism): the ranks' pooled attention is averaged by one all-reduce (`tensor_parallel.group_mean`) and checked
+before it is scored (docs/api.md#hermes-ops, docs/multi-gpu.md#what-crosses).
 """
 from __future__ import annotations
 
@@ -38,7 +35,7 @@ def pooled_attention(q: torch.Tensor, k: torch.Tensor, scale: float | None = Non
 
 def hermes_scores(attn: torch.Tensor, cfg: HermesConfig, *, backend: str = "auto", group=None) -> torch.Tensor:
     """Smoothed scores S~ float32 [L, B, V] from pooled attention [L, B, V] (§2.3–2.4); with `group`, from the
-    group's mean of every rank's attn (module docstring)."""
+    group's mean of every rank's attn (docs/multi-gpu.md#what-crosses)."""
     check_attn(attn, cfg, finite=group is None)
     check_group(group)
     attn = _mean_over(attn, group)
