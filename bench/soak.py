@@ -1,10 +1,11 @@
 """Soak: stream many chunks through HermesStream on the tiny models; memory must stay flat, positions bounded.
 
-python -m bench.soak --chunks 10000                   # both families, report every 500 chunks
+python -m bench.soak --chunks 10000                   # every family, report every 500 chunks
 python -m bench.soak --chunks 2000 --family qwen2_5_vl --every 100 --question-every 50
 
 Two streams in lockstep (`--batch`) take random chunks; every `--question-every` chunks they are asked two
-questions of different token lengths (a ragged batch), whose answers then fill the guidance prompts. The tiny
+questions of different token lengths (a ragged batch; Qwen3.5, which refuses one, the same question), whose
+answers then fill the guidance prompts. Qwen3.5's chunks carry advancing timestamps. The tiny
 models get a small `max_position_embeddings` so lazy re-indexing runs every few dozen chunks. Every `--every`
 chunks one line reports process RSS, live tensor bytes (a census of every tensor alive after a full garbage
 collection), cache length, position range and the mean time per chunk since the last report.
@@ -29,11 +30,12 @@ from tqdm import tqdm
 
 from hermes.stream import HermesStream
 from scaffolding.census import live_tensors
-from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5
 from scaffolding.pixels import llava_pixels, qwen_pixels
 from scaffolding.tokenizer import tiny_tokenizer
 
-FAMILIES = ("llava_ov", "qwen2_5_vl")
+FAMILIES = ("llava_ov", "qwen2_5_vl", "qwen3_5")
+BUILDERS = {"llava_ov": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_5": tiny_qwen3_5}
 QUESTIONS = ("what is the person holding ?", "where is the red cup the man is holding ?")  # ragged
 
 
@@ -73,6 +75,14 @@ def rss_mib() -> float | None:
 def _chunker(family: str, batch: int, generator: torch.Generator):
     if family == "llava_ov":
         return 2, {}, lambda: {"video": llava_pixels(batch, 2, generator)}
+    if family == "qwen3_5":  # 8 x 8 frames, two temporal steps a chunk, one second apart
+        seconds = iter(range(0, 10**9, 2))
+
+        def chunk():
+            video, grid = qwen_pixels(batch, 4, generator, 8, 8)
+            start = next(seconds)
+            return {"video": video, "grid_thw": grid, "timestamps": [start + 0.5, start + 1.5]}
+        return 4, {"frame_size": (8, 8)}, chunk
     return 4, {"frame_size": (16, 16)}, lambda: dict(zip(("video", "grid_thw"), qwen_pixels(batch, 4, generator)))
 
 
@@ -88,13 +98,14 @@ def soak(family: str, chunks: int, every: int = 500, question_every: int = 100, 
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     generator = torch.Generator().manual_seed(seed)
     frames, extra, chunk = _chunker(family, batch, generator)
-    model = (tiny_llava_ov if family == "llava_ov" else tiny_qwen2_5_vl)(max_positions=max_positions)
+    model = BUILDERS[family](max_positions=max_positions)
     # lazy re-indexing once positions pass max_positions - margin: every few dozen chunks at these sizes
-    stream = HermesStream(model, tiny_tokenizer(), budget=budget, batch_size=batch, chunk_frames=frames, room=160,
+    tokenizer = tiny_tokenizer(digits=family == "qwen3_5")
+    stream = HermesStream(model, tokenizer, budget=budget, batch_size=batch, chunk_frames=frames, room=160,
                           margin=max_positions // 4, **extra)
     kept = stream.cfg.prefix_len + budget
     storage = stream.cache.data_ptrs()
-    questions = [QUESTIONS[b % len(QUESTIONS)] for b in range(batch)]
+    questions = [QUESTIONS[0 if stream.cache.linear_states is not None else b % len(QUESTIONS)] for b in range(batch)]
     reports: list[Report] = []
     first: Report | None = None
     bar = tqdm(range(1, chunks + 1), desc=f"soak {family}", unit="chunk", disable=not progress, leave=False)
@@ -139,7 +150,7 @@ def soak(family: str, chunks: int, every: int = 500, question_every: int = 100, 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=10_000)
-    parser.add_argument("--family", choices=FAMILIES + ("both",), default="both")
+    parser.add_argument("--family", choices=FAMILIES + ("all",), default="all")
     parser.add_argument("--every", type=int, default=500, help="report every this many chunks")
     parser.add_argument("--question-every", type=int, default=100)
     parser.add_argument("--batch", type=int, default=2, help="streams in lockstep")
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # tiny models are latency-bound; see tests/hermes/streams.py
-    families = FAMILIES if args.family == "both" else (args.family,)
+    families = FAMILIES if args.family == "all" else (args.family,)
     for family in families:
         try:
             reports = soak(family, args.chunks, args.every, args.question_every, args.batch, args.budget,

@@ -4,7 +4,8 @@ indices, H2SVC's host counters), every layer's positions identical and this rank
 to the one-process cache's rows of those heads (float32 summation order apart); then the same averaged guidance
 scores, next-token logits within float32 tolerance and the same greedy answers. HERMES lazy (a re-index inside the
 run) and eager, H2SVC with head maps whose columns give the ranks different class sets; LLaVA-OV (1D RoPE) and
-Qwen2.5-VL (M-RoPE) on 2 ranks, LLaVA-OV with 4 KV heads on 4. Failures on 2 ranks: the same bad chunk on every
+Qwen2.5-VL (M-RoPE) and Qwen3.5 (hybrid: every rank runs the whole linear-attention layers and holds their states,
+compared too) on 2 ranks, LLaVA-OV with 4 KV heads on 4. Failures on 2 ranks: the same bad chunk on every
 rank, a non-finite value in one rank's pooled attention or in one rank's H2SVC heads, sampling, Qwen3-VL (refused),
 and last a fault inside one rank's layer (docs/multi-gpu.md#failures).
 
@@ -18,9 +19,9 @@ import torch
 
 import hermes_kernels as hk
 from hermes.stream import HermesStream
-from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_vl
+from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_vl
 from scaffolding.tokenizer import tiny_tokenizer
-from tests.hermes.streams import CASES, QUESTION
+from tests.hermes.streams import CASES, QUESTION, QWEN3_5
 from tests.ranks import run_ranks
 
 CHUNKS = 5
@@ -39,7 +40,7 @@ TOL = dict(atol=1e-4, rtol=1e-4)  # float32 after the row-parallel all-reduces' 
 def checkpoints(tmp_path_factory) -> dict:
     """name -> folder of a tiny model saved with save_pretrained (weights and config; the tokenizer is built)."""
     builders = {"llava_ov": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,
-                "llava_ov_kv4": lambda: tiny_llava_ov(num_heads=8, num_kv_heads=4)}
+                "qwen3_5": tiny_qwen3_5, "llava_ov_kv4": lambda: tiny_llava_ov(num_heads=8, num_kv_heads=4)}
     folders = {}
     for name, build in builders.items():
         folders[name] = str(tmp_path_factory.mktemp(name))
@@ -92,6 +93,10 @@ def _two_ranks(rank: int, world: int, checkpoints: dict) -> None:
         head_map = SPLIT_MAP if family == "llava_ov" else None  # None: the default map of the whole model
         for kwargs in (lazy, dict(HERMES, reindex="eager"), dict(H2SVC, head_map=head_map, reindex="eager")):
             _compare(rank, world, models, case, kwargs)
+    models = _load(checkpoints["qwen3_5"], None), _load(checkpoints["qwen3_5"], world)
+    lazy = dict(HERMES, margin=models[0].config.get_text_config().max_position_embeddings - 60)
+    for kwargs in (lazy, dict(H2SVC, reindex="eager")):
+        _compare(rank, world, models, QWEN3_5, kwargs)
     models = _load(checkpoints["llava_ov"], None), _load(checkpoints["llava_ov"], world)
     _failures(rank, world, models, CASES["llava_ov"])
     _qwen3_vl_refused(world, checkpoints["qwen3_vl"])
@@ -107,7 +112,7 @@ def _four_ranks(rank: int, world: int, checkpoints: dict) -> None:
 
 def _streams(models, case, kwargs) -> tuple[HermesStream, HermesStream]:
     """(one process, this rank) streams of one configuration, free slots poisoned alike."""
-    streams = tuple(HermesStream(model, tiny_tokenizer(), chunk_frames=case.frames, **case.stream_kwargs, **kwargs)
+    streams = tuple(HermesStream(model, case.tokenizer(), chunk_frames=case.frames, **case.stream_kwargs, **kwargs)
                     for model in models)
     for stream in streams:
         for buffer in stream.cache.buffers():
@@ -157,6 +162,10 @@ def _same_cache(one: HermesStream, mine: HermesStream, rank: int, world: int, wh
     """This rank's cache holds the one-process cache's rows of its heads: positions (and H2SVC's slot frames)
     identical, keys and values within float32 tolerance; the host counters identical."""
     assert mine.cache.counters == one.cache.counters, f"{what}: counters {mine.cache.counters} vs {one.cache.counters}"
+    linear = mine.cache.linear_contents()  # a hybrid model: every rank holds the whole linear-attention states
+    assert list(linear) == list(one.cache.linear_contents())
+    for name, view in one.cache.linear_contents().items():
+        torch.testing.assert_close(linear[name], view, **TOL, msg=f"{what}: {name}")
     share = one.cache.num_kv_heads // world
     heads = slice(rank * share, (rank + 1) * share)
     if hasattr(one.cache, "layer_positions"):  # HERMES: every layer holds one sequence
