@@ -70,7 +70,8 @@ def head_shard(model: torch.nn.Module, family, language_model: torch.nn.Module) 
                          f"{tuple(weight.placements)} over {mesh}")
     text = model.config.get_text_config()
     count = mesh.size()
-    local = {"query": attention.q_proj.weight.to_local().shape[0] // attention.head_dim,
+    # query heads from o_proj's columns (row-parallel): q_proj may carry more than the queries (Qwen3.5's gate)
+    local = {"query": attention.o_proj.weight.to_local().shape[1] // attention.head_dim,
              "KV": weight.to_local().shape[0] // attention.head_dim}
     whole = {"query": text.num_attention_heads, "KV": text.num_key_value_heads}
     uneven = [kind for kind in local if local[kind] * count != whole[kind]]
