@@ -17,7 +17,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from hermes.policies.hermes import policy as hermes_policy
 from hermes.stream import HermesStream
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, CLASSES
+from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from scaffolding.models import tiny_qwen3_5, tiny_qwen3_5_moe
 from scaffolding.tokenizer import tiny_tokenizer
 from tests.hermes.models.qwen3_vl_reference import full_inputs, own_forward, question_text, rope_index
@@ -25,7 +25,7 @@ from tests.hermes.models.test_qwen3_vl import chunks_at
 from tests.hermes.policies.h2svc.checks import MIXED_MAP
 from tests.hermes.stream.policies import POLICIES, assert_same_stream
 from tests.hermes.streams import QUESTION
-from tests.utils import assert_close_verbose, same_bytes
+from tests.utils import TOL, assert_close_verbose, same_bytes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -116,7 +116,7 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
             parts = [(slice(None), f"layer {layer}")]
         else:
             parts = [(stream.cfg.heads_of(cls, layer), f"layer {layer} {name}")
-                     for cls, name in zip(CLASSES, CLASS_NAMES) if stream.cfg.heads_of(cls, layer)]
+                     for cls, name in zip((INSTANT, SHORT, EPISODIC), CLASS_NAMES) if stream.cfg.heads_of(cls, layer)]
         for heads, name in parts:
             for kind in ("keys", "values"):
                 error_bound(held[f"{name} {kind}"], getattr(own, kind)[:, heads], getattr(ref, kind)[:, heads],
@@ -131,3 +131,167 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
                     f"conv state of layer {decoder}")
         error_bound(linear[f"linear layer {decoder} recurrent state"], own.recurrent_states[0],
                     ref.recurrent_states[0], f"recurrent state of layer {decoder}")
+
+
+# ---- 2. HERMES with eviction: a naive per-layer implementation of docs/hermes.md §2 -----------------------------
+class NaiveHermes:
+    """HERMES over the full-attention layers only, one Python list of tokens per (layer, stream), each token a
+    (key [Hkv, D], value [Hkv, D], position [3]) in float64, written from docs/hermes.md §2: roles split by
+    fraction of the full-attention depth (§2.1–2.2), recency / attention blend (§2.3), smoothing from the deepest
+    full layer up (§2.4), top-b per layer in cache order (§2.5), the deep layers' summary (§2.6), re-indexing per
+    axis (§2.7). Rotations are the model's own RoPE (its rotary module and `apply_rotary_pos_emb`) at the delta.
+    The constants are the stream's config fields (ω0, γ, k0, k_end, λ, ratios, budget): the per-layer vectors the
+    config derives from them are not read."""
+
+    def __init__(self, model, cfg, prefix: dict, layers: int):
+        self.rotary = model.model.language_model.rotary_emb
+        self.cfg, self.L, self.P = cfg, layers, cfg.prefix_len
+        self.tokens = [[[(prefix[f"layer {l} keys"][b, :, j].double(), prefix[f"layer {l} values"][b, :, j].double(),
+                          prefix[f"layer {l} positions"][b, :, j]) for j in range(self.P)]
+                        for b in range(prefix[f"layer {l} keys"].shape[0])] for l in range(layers)]
+        s, e = int(cfg.shallow_ratio * layers), int((1 - cfg.deep_ratio) * layers)
+        self.role, self.omega, self.forget, self.lam = [], [], [], []
+        for l in range(layers):
+            if l < s:
+                role, omega, forget, lam = "shallow", 1.0, cfg.k0, cfg.lambda_shallow
+            elif l >= e:
+                role, omega, forget, lam = "deep", 0.0, 0.0, cfg.lambda_deep
+            else:
+                p = (l - s) / (e - s)
+                role, omega, forget = "mid", cfg.omega0 - cfg.gamma * p, cfg.k0 - (cfg.k0 - cfg.k_end) * p
+                lam = cfg.lambda_mid
+            for name, value in zip(("role", "omega", "forget", "lam"), (role, omega, forget, lam)):
+                getattr(self, name).append(value)
+
+    def rotate(self, key: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """key [Hkv, D] turned by the model's RoPE at `delta` [3] (rotary channels only, as the model turns them)."""
+        cos, sin = self.rotary(key, delta.view(3, 1, 1))
+        turned, _ = modeling_qwen3_5.apply_rotary_pos_emb(key[None, :, None], key[None, :, None], cos, sin)
+        return turned[0, :, 0]
+
+    def append(self, held: dict, start: int, rel: torch.Tensor) -> None:
+        """The chunk's tokens (slots [start, N) of the cache's contents at the step) after every list; the lists
+        must still be what the cache holds below `start`, and the chunk's positions continue each (layer, stream)
+        from its largest position + 1 (§2.7)."""
+        self.check(held, start, "before the step")
+        for l in range(self.L):
+            for b, tokens in enumerate(self.tokens[l]):
+                first = max(int(pos.max()) for _, _, pos in tokens) + 1
+                expected = first + rel
+                got = held[f"layer {l} positions"][b, :, start:]
+                assert torch.equal(got, expected), f"chunk positions of layer {l}, stream {b}"
+                for j in range(start, held[f"layer {l} keys"].shape[2]):
+                    tokens.append((held[f"layer {l} keys"][b, :, j].double(),
+                                   held[f"layer {l} values"][b, :, j].double(), got[:, j - start]))
+
+    def step(self, attn: torch.Tensor) -> list:
+        """One compression step with the pooled guidance attention attn [L, B, V]; returns the kept indices."""
+        cfg, P = self.cfg, self.P
+        B = len(self.tokens[0])
+        V = len(self.tokens[0][0]) - P
+        raw = [[None] * B for _ in range(self.L)]
+        for l in range(self.L):
+            for b in range(B):
+                a = attn[l, b, :V].double()
+                j = torch.arange(V, dtype=torch.float64)
+                r = torch.exp(-self.forget[l] * (V - 1 - j) / max(V - 1, 1))
+                A = (a - a.min()) / (a.max() - a.min() + cfg.eps)
+                R = (r - r.min()) / (r.max() - r.min() + cfg.eps)
+                raw[l][b] = (1 - self.omega[l]) * A + self.omega[l] * R
+        smooth = [list(row) for row in raw]
+        for l in range(self.L - 2, -1, -1):
+            for b in range(B):
+                deeper = smooth[l + 1][b] if cfg.cascade else raw[l + 1][b]
+                smooth[l][b] = (1 - self.lam[l]) * raw[l][b] + self.lam[l] * deeper
+        highest = max(int(pos.max()) for layer in self.tokens for tokens in layer for _, _, pos in tokens)
+        reindex = cfg.reindex == "eager" or highest > cfg.max_positions - cfg.margin
+        kept_all = []
+        for l in range(self.L):
+            deep = self.role[l] == "deep"
+            budget = cfg.budget - 1 if deep and cfg.summary else cfg.budget
+            kept_all.append([])
+            for b in range(B):
+                tokens = self.tokens[l][b]
+                order = sorted(range(V), key=lambda i: -float(smooth[l][b][i]))  # stable: ties to the lower index
+                kept = sorted(order[:min(budget, V)])
+                pruned = [i for i in range(V) if i not in kept]
+                old = [tokens[P + i][2] for i in kept]
+                if reindex:  # each axis ranked on its own among the kept tokens' distinct coordinates
+                    distinct = [sorted({int(pos[axis]) for pos in old}) for axis in range(3)]
+                    new = [torch.tensor([P + distinct[axis].index(int(pos[axis])) for axis in range(3)]) for pos in old]
+                else:
+                    new = old
+                out = tokens[:P] + [(self.rotate(tokens[P + i][0], n - o), tokens[P + i][1], n)
+                                    for i, o, n in zip(kept, old, new)]
+                if deep and cfg.summary and pruned:
+                    target = max([int(tokens[j][2].max()) for j in range(P)] + [int(n.max()) for n in new]) + 1
+                    t = torch.full((3,), target)
+                    key = torch.stack([self.rotate(tokens[P + i][0], t - tokens[P + i][2]) for i in pruned]).mean(0)
+                    value = torch.stack([tokens[P + i][1] for i in pruned]).mean(0)
+                    out.append((key, value, t))
+                self.tokens[l][b] = out
+                kept_all[-1].append(kept)
+        return kept_all
+
+    def check(self, held: dict, end: int | None = None, what: str = "after the step") -> None:
+        """The cache's contents (slots below `end`, default all) equal the lists: keys and values up to fp32's
+        tolerance, positions exactly."""
+        for l in range(self.L):
+            for b, tokens in enumerate(self.tokens[l]):
+                n = len(tokens) if end is None else end
+                assert held[f"layer {l} keys"].shape[2] >= n and len(tokens) == n, f"{what}: length of layer {l}"
+                for index, kind in enumerate(("keys", "values")):
+                    expected = torch.stack([token[index] for token in tokens], dim=1)
+                    assert_close_verbose(held[f"layer {l} {kind}"][b, :, :n], expected, *TOL[torch.float32],
+                                         name=f"{what}: layer {l} {kind}, stream {b}")
+                expected = torch.stack([token[2] for token in tokens], dim=1)
+                assert torch.equal(held[f"layer {l} positions"][b, :, :n], expected), \
+                    f"{what}: layer {l} positions, stream {b}"
+
+
+@pytest.mark.parametrize("reindex", ["lazy", "eager"])
+def test_eviction_equals_a_naive_per_layer_hermes(reindex, monkeypatch):
+    """Two streams, budget 40, five chunks (four compressing steps): at every step the cache holds what the naive
+    per-layer implementation holds after the same step, fed the pooled guidance attention the stream computed and
+    the chunk's tokens as the stream stored them: keys, values and positions of each full-attention layer (the
+    deep layer's summary included, eager re-indexing per axis); the step never touches the linear states, and the
+    first linear layer (before any full layer) holds what a stream that never compresses holds."""
+    g = torch.Generator().manual_seed(2)
+    model, tok = tiny_qwen3_5(), tokenizer()
+    stream = stream_of(model, batch_size=2, budget=40, reindex=reindex)
+    never = stream_of(model, batch_size=2, budget=400)
+    naive = NaiveHermes(model, stream.cfg, contents(stream), len(FULL))
+    assert naive.role == ["mid", "mid", "deep"]
+    steps, compress = [], stream.cache.compress
+
+    def recording(attn, **kwargs):
+        before = contents(stream)
+        result = compress(attn, **kwargs)
+        steps.append((before, attn.clone(), result))
+        assert_same_linear(linear_states(stream), {k: v for k, v in before.items() if k.startswith("linear")},
+                           "the compression step changed the linear states")
+        return result
+
+    monkeypatch.setattr(stream.cache, "compress", recording)
+    for index, chunk in enumerate(video(5, g, batch=2)):
+        start = stream.cache.length
+        rel = stream.family.encode_video(model, tok, batch_size=2, **chunk).rel_positions
+        result = stream.append_video(**chunk)
+        never.append_video(**chunk)
+        assert (result is None) == (index == 0)
+        if result is None:
+            naive.append(contents(stream), start, rel)
+            naive.check(contents(stream))
+            continue
+        before, attn, _ = steps[-1]
+        naive.append(before, start, rel)
+        kept = naive.step(attn)
+        assert result.keep[result.keep >= 0].numel() and [[row[row >= 0].tolist() for row in layer]
+                                                          for layer in result.keep] == kept
+        naive.check(contents(stream))
+        ours, theirs = linear_states(stream), linear_states(never)
+        assert same_bytes(ours["linear layer 0 conv state"], theirs["linear layer 0 conv state"])
+        assert same_bytes(ours["linear layer 0 recurrent state"], theirs["linear layer 0 recurrent state"])
+        if index == 1:  # no chunk has yet seen a compressed cache: every linear state is the uncompressed stream's
+            assert_same_linear(ours, theirs, "after the first step")
+    assert len(steps) == 4 and stream.stats()["reindexes"] == (4 if reindex == "eager" else 0)
