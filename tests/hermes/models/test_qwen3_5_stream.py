@@ -8,7 +8,6 @@ that never go through the engine (docs/qwen3_5.md#hybrid-cache):
 - guidance, `ask`, `truncate` / `crop` and a forward run outside any context keep the linear-state rules; a fault
   in a middle linear-attention layer leaves the stream as it was; the MoE twin streams under both policies.
 """
-import math
 
 import pytest
 import torch
@@ -78,7 +77,8 @@ def error_bound(got: torch.Tensor, own: torch.Tensor, exact: torch.Tensor, name:
     error = (got.double() - exact).abs().max().item()
     own_error = (own.double() - exact).abs().max().item()
     floor = 4 * torch.finfo(torch.float32).eps * exact.abs().max().item()
-    assert error <= 2 * own_error + floor, f"{name}: off by {error:.3g}, the model's own fp32 forward by {own_error:.3g}"
+    assert error <= 2 * own_error + floor, \
+        f"{name}: off by {error:.3g}, the model's own fp32 forward by {own_error:.3g}"
 
 
 @pytest.mark.parametrize("policy", ["hermes", "h2svc"])
@@ -295,3 +295,160 @@ def test_eviction_equals_a_naive_per_layer_hermes(reindex, monkeypatch):
         if index == 1:  # no chunk has yet seen a compressed cache: every linear state is the uncompressed stream's
             assert_same_linear(ours, theirs, "after the first step")
     assert len(steps) == 4 and stream.stats()["reindexes"] == (4 if reindex == "eager" else 0)
+
+
+# ---- 3. guidance reads the linear states, never writes them -----------------------------------------------------
+@pytest.mark.parametrize("budget", [400, 40], ids=["no-eviction", "eviction"])
+def test_guidance_is_read_only_for_the_linear_states(budget, monkeypatch):
+    """Stream A asks for `guidance_scores()` after every chunk, stream B never does (two streams each, four
+    chunks): each pass (A's own, and every step's guidance inside `append_video`) leaves the linear states bit for
+    bit as they were, and A and B hold the same bytes after every chunk, with eviction too (each step's guidance is
+    then the same read-only pass in both)."""
+    g = torch.Generator().manual_seed(3)
+    model = tiny_qwen3_5()
+    a, b = stream_of(model, budget=budget, batch_size=2), stream_of(model, budget=budget, batch_size=2)
+    passes, run = [], hermes_policy.run_guidance
+
+    def watched(language_model, cache, *args, **kwargs):
+        before = {name: view.clone() for name, view in cache.linear_contents().items()}
+        out = run(language_model, cache, *args, **kwargs)
+        assert_same_linear({name: view.clone() for name, view in cache.linear_contents().items()}, before,
+                           "a step's guidance pass")
+        passes.append(cache)
+        return out
+
+    monkeypatch.setattr(hermes_policy, "run_guidance", watched)
+    for index, chunk in enumerate(video(4, g, batch=2)):
+        results = [stream.append_video(**chunk) for stream in (a, b)]
+        assert [result is None for result in results] == [budget == 400 or index == 0] * 2
+        before = linear_states(a)
+        scores = a.guidance_scores()
+        assert torch.count_nonzero(scores) > 0
+        assert_same_linear(linear_states(a), before, "guidance_scores()")
+        assert a.stats() == b.stats()
+        assert_same_contents(contents(a), contents(b), "a stream with guidance passes vs one without")
+    assert len(passes) == (4 if budget == 400 else 4 + 2 * 3)
+
+
+# ---- 4. ask, truncate / crop, a forward outside any context -----------------------------------------------------
+@pytest.mark.parametrize("policy", ["hermes", "h2svc"])
+def test_ask_truncate_and_a_plain_forward_keep_the_linear_rule(policy):
+    """The linear states cannot be cropped: `truncate` to anything but the current length or the length before the
+    last stored text raises ValueError naming `length`, changing nothing (crop too); back to before the last chunk
+    (HERMES, nothing evicted) undoes its linear commit exactly and the chunk stored again gives the same bytes
+    (H2SVC's step moved the keys: refused); `ask` leaves every state bit for bit, and the chunk then cannot be
+    undone; a forward run straight on the cache (no forward context) commits its linear states and truncating
+    back undoes it exactly."""
+    g = torch.Generator().manual_seed(4)
+    model, tok = tiny_qwen3_5(), tokenizer()
+    stream = stream_of(model, policy)
+    cache = stream.cache
+    chunks = video(2, g)
+    stream.append_video(**chunks[0])
+    first, start = contents(stream), cache.length
+    stream.append_video(**chunks[1])
+    held, length = contents(stream), cache.length
+    logits = stream.next_token_logits(QUESTION)
+    P = len(stream.prefix_ids)
+    for bad in sorted({0, P, start - 1, start + 1, length - 1}):
+        with pytest.raises(ValueError, match="length"):
+            cache.truncate(bad)
+        assert_same_contents(contents(stream), held, f"a refused truncate({bad})")
+    with pytest.raises(ValueError, match="length"):
+        cache.crop(-1)
+    cache.truncate(length)
+    assert_same_contents(contents(stream), held, "truncate to the length")
+    if policy == "hermes":
+        cache.truncate(start)
+        assert_same_contents(contents(stream), first, "truncate back before the chunk")
+        stream.append_video(**chunks[1])
+        assert_same_contents(contents(stream), held, "the chunk stored again")
+    else:
+        with pytest.raises(ValueError, match="length"):
+            cache.truncate(start)
+    stream.ask(QUESTION, max_new_tokens=4)
+    assert_same_contents(contents(stream), held, "ask")
+    with pytest.raises(ValueError, match="length"):
+        cache.truncate(start)
+    ids = torch.tensor([tok(question_text(QUESTION), add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        stream.language_model(input_ids=ids, cache=cache, use_cache=True)
+    assert cache.length == length + ids.shape[1]
+    moved = linear_states(stream)
+    assert all(not torch.equal(moved[name], held[name]) for name in moved), "the plain forward committed nothing"
+    cache.truncate(length)
+    assert_same_contents(contents(stream), held, "truncate back after a plain forward")
+    assert torch.equal(stream.next_token_logits(QUESTION), logits)
+
+
+# ---- 5. a fault in a middle linear-attention layer ----------------------------------------------------------------
+EVICTING = {"hermes": dict(budget=40), "h2svc": dict(instant_frames=1, short_frames=2, episodic_frames=3)}
+
+
+@pytest.mark.parametrize("policy,call,after,error", [
+    ("hermes", "append_video", 0, torch.OutOfMemoryError),   # the chunk's prefill
+    ("hermes", "append_video", 1, KeyboardInterrupt),        # the step's guidance pass (its first prompt)
+    ("hermes", "ask", 0, KeyboardInterrupt),                 # the question's prefill
+    ("hermes", "ask", 2, torch.OutOfMemoryError),            # the second decode step
+    ("h2svc", "append_video", 0, KeyboardInterrupt),
+    ("h2svc", "ask", 1, torch.OutOfMemoryError),
+])
+def test_a_fault_in_a_middle_linear_layer_changes_nothing(policy, call, after, error):
+    """Decoder layer 3 (a linear-attention layer between full ones) raises on its (after + 1)-th run inside
+    `append_video` (a compressing / stepping chunk) or `ask`: every valid slot and linear state keeps its bytes,
+    the counters, stats and history are as before, and the stream then takes two more chunks exactly as a stream
+    that never failed."""
+    g = torch.Generator().manual_seed(5)
+    model = tiny_qwen3_5()
+    faulty, clean = (stream_of(model, policy, **EVICTING[policy]) for _ in range(2))
+    chunks = video(5, g)
+    for chunk in chunks[:2]:
+        for stream in (faulty, clean):
+            stream.append_video(**chunk)
+    before, host = contents(faulty), (faulty.cache.counters, faulty.stats(), list(faulty.last_convs))
+    runs = [0]
+
+    def raiser(module, args):
+        runs[0] += 1
+        if runs[0] > after:
+            raise error("injected into decoder layer 3")
+
+    hook = model.model.language_model.layers[3].register_forward_pre_hook(raiser)
+    try:
+        with pytest.raises(error, match="injected"):
+            if call == "ask":
+                faulty.ask(QUESTION, max_new_tokens=4)
+            else:
+                faulty.append_video(**chunks[2])
+    finally:
+        hook.remove()
+    assert runs[0] == after + 1
+    assert_same_contents(contents(faulty), before, f"a fault in {call}")
+    assert (faulty.cache.counters, faulty.stats(), list(faulty.last_convs)) == host
+    for chunk in chunks[2:4]:
+        for stream in (faulty, clean):
+            stream.append_video(**chunk)
+    assert_same_stream(POLICIES[policy], faulty, clean)
+
+
+# ---- 6. the MoE twin ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["hermes", "h2svc"])
+def test_the_moe_twin_streams_and_answers(policy):
+    """Qwen3.5-MoE (sparse MLPs, the same hybrid layer types): three chunks with the policy's step evicting, an
+    answer, and the three linear-attention layers' states held, finite, in transformers' shapes."""
+    g = torch.Generator().manual_seed(6)
+    model = tiny_qwen3_5_moe()
+    stream = stream_of(model, policy, **EVICTING[policy])
+    results = [stream.append_video(**chunk) for chunk in video(3, g)]
+    assert [result is None for result in results] == ([True, False, False] if policy == "hermes" else [False] * 3)
+    answer = stream.ask(QUESTION, max_new_tokens=4)
+    assert isinstance(answer, str) and stream.last_convs[0].startswith(QUESTION)
+    linear = stream.cache.linear_contents()
+    assert sorted(linear) == sorted(f"linear layer {i} {kind} state" for i in LINEAR for kind in ("conv", "recurrent"))
+    for i in LINEAR:
+        attn = model.model.language_model.layers[i].linear_attn
+        conv, recurrent = linear[f"linear layer {i} conv state"], linear[f"linear layer {i} recurrent state"]
+        assert conv.shape == (1, attn.conv_dim, attn.conv_kernel_size)
+        assert recurrent.shape == (1, attn.num_v_heads, attn.head_k_dim, attn.head_v_dim)
+        assert recurrent.dtype == torch.float32
+        assert all(bool(t.isfinite().all()) and torch.count_nonzero(t) > 0 for t in (conv, recurrent))
