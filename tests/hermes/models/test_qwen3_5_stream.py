@@ -8,6 +8,7 @@ that never go through the engine (docs/qwen3_5.md#hybrid-cache):
 - guidance, `ask`, `truncate` / `crop` and a forward run outside any context keep the linear-state rules; a fault
   in a middle linear-attention layer leaves the stream as it was; the MoE twin streams under both policies.
 """
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -390,12 +391,15 @@ EVICTING = {"hermes": dict(budget=40), "h2svc": dict(instant_frames=1, short_fra
     ("hermes", "append_video", 1, KeyboardInterrupt),        # the step's guidance pass (its first prompt)
     ("hermes", "ask", 0, KeyboardInterrupt),                 # the question's prefill
     ("hermes", "ask", 2, torch.OutOfMemoryError),            # the second decode step
+    ("hermes", "forward_context", 0, torch.OutOfMemoryError),  # text stored through the cache's own context
+    ("hermes", "plain forward", 0, KeyboardInterrupt),        # text run straight on the cache (no context)
     ("h2svc", "append_video", 0, KeyboardInterrupt),
     ("h2svc", "ask", 1, torch.OutOfMemoryError),
 ])
 def test_a_fault_in_a_middle_linear_layer_changes_nothing(policy, call, after, error):
     """Decoder layer 3 (a linear-attention layer between full ones) raises on its (after + 1)-th run inside
-    `append_video` (a compressing / stepping chunk) or `ask`: every valid slot and linear state keeps its bytes,
+    `append_video` (a compressing / stepping chunk), `ask`, or a text forward through the cache in a forward context
+    or in none (no `atomic()` to put anything back): every valid slot and linear state keeps its bytes,
     the counters, stats and history are as before, and the stream then takes two more chunks exactly as a stream
     that never failed."""
     g = torch.Generator().manual_seed(5)
@@ -418,8 +422,12 @@ def test_a_fault_in_a_middle_linear_layer_changes_nothing(policy, call, after, e
         with pytest.raises(error, match="injected"):
             if call == "ask":
                 faulty.ask(QUESTION, max_new_tokens=4)
-            else:
+            elif call == "append_video":
                 faulty.append_video(**chunks[2])
+            else:  # no atomic() around it: the linear states' own context must drop what the layers wrote
+                ids = torch.tensor([faulty.prefix_ids[:5]])
+                with torch.no_grad(), (faulty.cache.forward_context() if call == "forward_context" else nullcontext()):
+                    faulty.language_model(input_ids=ids, cache=faulty.cache, use_cache=True)
     finally:
         hook.remove()
     assert runs[0] == after + 1
