@@ -1,12 +1,9 @@
-"""Streams on the tiny hybrid Qwen3.5 (decoder layers linear, full, full, linear, full, linear) against references
-that never go through the engine (docs/qwen3_5.md#hybrid-cache):
-- nothing evicted (both policies): the cache equals the model's own `DynamicCache` after one forward of the whole
-  video (full-attention keys, values, positions; linear-attention conv and recurrent states) and the logits equal
-  one forward over everything;
-- HERMES with eviction: every step equals a naive per-layer implementation of docs/hermes.md §2 written here over
-  the full-attention layers, fed the guidance attention the stream computed; the step leaves the linear states alone;
-- guidance, `ask`, `truncate` / `crop` and a forward run outside any context keep the linear-state rules; a fault
-  in a middle linear-attention layer leaves the stream as it was; the MoE twin streams under both policies.
+"""Streams on the tiny hybrid Qwen3.5 (layers linear, full, full, linear, full, linear) against references that never
+go through the engine (docs/qwen3_5.md#hybrid-cache): nothing evicted, the cache is the model's own `DynamicCache`
+(full-layer keys, values, positions; linear conv and recurrent states) and the logits one forward's; HERMES with
+eviction equals a naive per-layer docs/hermes.md §2 over the full-attention layers, fed the stream's guidance
+attention; guidance, `ask`, `truncate` / `crop` and a forward outside any context keep the linear-state rules; a
+fault in a middle linear layer changes nothing; the MoE twin streams under both policies.
 """
 from contextlib import nullcontext
 
@@ -287,8 +284,7 @@ def test_eviction_equals_a_naive_per_layer_hermes(reindex, monkeypatch):
         before, attn, _ = steps[-1]
         naive.append(before, start, rel)
         kept = naive.step(attn)
-        assert result.keep[result.keep >= 0].numel() and [[row[row >= 0].tolist() for row in layer]
-                                                          for layer in result.keep] == kept
+        assert [[row[row >= 0].tolist() for row in layer] for layer in result.keep] == kept, "kept tokens"
         naive.check(contents(stream))
         ours, theirs = linear_states(stream), linear_states(never)
         assert same_bytes(ours["linear layer 0 conv state"], theirs["linear layer 0 conv state"])
