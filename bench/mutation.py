@@ -72,6 +72,8 @@ SELECTIONS: list[tuple[str, list[str], str]] = [
     ("hermes/policies/h2svc/*.py", ["tests/hermes/policies/h2svc", "tests/hermes/stream"], NO_THREADS),
     ("hermes/policies/hermes/*.py", ["tests/hermes/policies/hermes", "tests/hermes/stream"], NO_THREADS),
     ("hermes/models/*.py", ["tests/hermes/models", "tests/hermes/test_cli.py"], NO_THREADS),
+    ("hermes/linear_state.py", ["tests/hermes/models/test_qwen3_5_stream.py", "tests/hermes/stream"],
+     "qwen3_5 and not triton and not thread"),
     ("hermes/policy.py", ["tests/hermes/test_policy.py", "tests/hermes/test_policy_registry.py",
                           "tests/hermes/stream/test_fifo_policy.py"], NO_THREADS),
     ("hermes/attention.py", ["tests/hermes/test_attention.py", "tests/hermes/stream"], NO_THREADS),
