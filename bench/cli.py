@@ -38,8 +38,8 @@ DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfl
 # Defaults per run. The first run (no flag) is the headline: the whole step of both policies at the two 7B shapes
 # (1D RoPE and M-RoPE), one budget and chunk, every backend that runs on the device, with the floor ratio and the
 # plot. --full is the grid. CPU: the two 7B shapes and Qwen3.5's (partial rotary), both budgets, two chunk sizes,
-# fp32, every stage but the released-style guidance pass (its rows take about a minute each on 2 cores). CUDA: every
-# shape, fp16, more chunk sizes and repeats.
+# fp32, every stage but the released-style guidance pass (slow Python at the 7B shapes on a CPU:
+# docs/integrations.md#what-it-buys). CUDA: every shape, fp16, more chunk sizes and repeats.
 # The released-style rows (stages released_*) are slow Python: `released_repeats` timed runs, no warm-up besides
 # the memory run.
 HEADLINE_STAGES = ["step", "h2svc_step"]

@@ -1,20 +1,10 @@
 """The mutation audit, one module (or a group) at a time: mutmut over the module with the tests that pin it down
-(docs/testing.md#mutation-audit). Not run in CI: hours for the whole tree on a 2-core machine.
+(docs/testing.md#mutation-audit). Not run in CI: a whole-tree audit takes hours.
 
-python -m bench.mutation hermes/video.py hermes_kernels/compat       # each argument: one run
-python -m bench.mutation hermes_kernels/dtypes.py,hermes_kernels/results.py   # one run over a group
-python -m bench.mutation --changed main     # the modules a change touches (git diff main), one run each
-python -m bench.mutation --survivors hermes/video.py   # its survivors tested again, after tests were added
-python -m bench.mutation --list             # every module: its test selection, or why it is left out
-python -m bench.mutation --table            # the results table (docs/testing.md) from the results file
-
-Each run happens in its own work folder (default /tmp/hermes-mutation/<module>/): a copy of the checkout (its
-tracked and untracked, not ignored, files) with a generated `[tool.mutmut]` table, so the checkout is never
-touched and runs of different modules keep their own mutmut state. A rerun copies the checkout again; mutmut then
-re-mutates only changed functions and keeps the verdicts of the others. Every run records, per module: mutants,
-killed, timeout, survived, no tests, crashed, the survivors' names and the wall time (`--results`, JSON).
-Mutants judged equivalent are listed, with one reason per group, in `bench/mutation_equivalent.toml`; the score
-counts them out.
+`SELECTIONS` holds each module's test selection (or why it is left out); each run works on a copy of the checkout
+in its own folder with a generated `[tool.mutmut]` table and records its row in the results file; mutants judged
+equivalent are listed in `bench/mutation_equivalent.toml`. Usage (`python -m bench.mutation ...`), the work folders
+and the score: docs/testing.md#per-module.
 """
 from __future__ import annotations
 
@@ -37,7 +27,7 @@ EQUIVALENT = REPO / "bench" / "mutation_equivalent.toml"
 # what the copied tests need beside the mutated packages (mutmut copies tests/ itself): the checkout-only package
 # scaffolding/ (tiny models, the released-class stand-in), bench/ (its smoke tests), docs/ and the packaging files
 ALSO_COPY = ["scaffolding", "bench", "docs", "setup.py", "README.md", "mkdocs.yml", "CHANGELOG.md"]
-NOT_TRITON = "not triton"  # the interpreter runs are minutes each and test the kernels, not these modules
+NOT_TRITON = "not triton"  # the interpreter runs are slow and test the kernels, not these modules
 NO_THREADS = "not triton and not thread"  # a forked worker must not start threads (docs/testing.md#how)
 
 # Module (glob) -> the tests that pin it down: pytest arguments, then -k. First match wins. A selection is "fast

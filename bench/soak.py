@@ -1,21 +1,10 @@
 """Soak: stream many chunks through HermesStream on the tiny models; memory must stay flat, positions bounded.
 
-python -m bench.soak --chunks 10000                   # every family, report every 500 chunks
-python -m bench.soak --chunks 2000 --family qwen2_5_vl --every 100 --question-every 50
-
-Two streams in lockstep (`--batch`) take random chunks; every `--question-every` chunks they are asked two
-questions of different token lengths (a ragged batch; Qwen3.5, which refuses one, the same question), whose
-answers then fill the guidance prompts. Qwen3.5's chunks carry advancing timestamps. The tiny
-models get a small `max_position_embeddings` so lazy re-indexing runs every few dozen chunks. Every `--every`
-chunks one line reports process RSS, live tensor bytes (a census of every tensor alive after a full garbage
-collection), cache length, position range and the mean time per chunk since the last report.
-
-The run fails (exit status 1, reason on stderr) as soon as:
-- live tensor bytes differ from the first report: the stream allocates nothing that outlives a chunk, so
-  any change is a leak (or a buffer reallocated);
-- RSS grows more than `--rss-tolerance` MiB over the first report (allocator slack, not tensors);
-- a position reaches max_position_embeddings, or a compression step leaves a length other than
-  prefix + budget, or the cache's storage moves.
+`soak(family, chunks, ...)` runs `batch` streams in lockstep, with ragged questions every `question_every` chunks,
+and returns one `Report` per `every` chunks (RSS, live tensor bytes, length, positions, time per chunk); it raises
+`SoakFailure` at the first leak, RSS growth past the tolerance, position past max_position_embeddings, wrong length
+after a step or moved storage. Usage (`python -m bench.soak --chunks 10000`), the options and the failure rules:
+docs/benchmarks.md#soak.
 """
 from __future__ import annotations
 
@@ -90,7 +79,7 @@ def soak(family: str, chunks: int, every: int = 500, question_every: int = 100, 
          max_positions: int = 512, rss_tolerance: float = 64.0, progress: bool = True, seed: int = 0,
          out=print) -> list[Report]:
     """Stream `chunks` chunks through a tiny `family` model; returns one Report per `every` chunks (and the last).
-    Raises SoakFailure at the first violation (see the module docstring)."""
+    Raises SoakFailure at the first violation (docs/benchmarks.md#soak)."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     for name, value in (("chunks", chunks), ("every", every), ("question_every", question_every), ("batch", batch)):

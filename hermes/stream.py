@@ -1,17 +1,10 @@
 """The streaming front: feed video chunk by chunk, ask questions, memory stays flat (docs/stream.md).
 
-    stream = HermesStream(model, processor, budget=6000)       # LLaVA-OV, Qwen2.5-VL or Qwen3-VL, HERMES policy
-    stream = HermesStream(model, processor, policy="h2svc", head_map="map.json")   # or H2SVC (docs/h2svc.md)
-    stream.append_video(chunk)                                 # prefill, then the policy's step
-    print(stream.ask("What is the person holding?", max_new_tokens=32))
-    print(stream.stats())                                      # length, positions, steps, bytes
-    stream.reset()                                             # a new video, same buffers
-
-One class for every policy: it builds the `StreamSetup` the policy is constructed from (docs/policies.md#setup),
-encodes chunks, checks room, makes every call all-or-nothing, asks questions (a ragged batch left-padded, the
-padding hidden), serves streams on several threads and resets; the policy holds the config, the cache and what
-follows a chunk's prefill. What fails how: docs/stream.md#both-policies; under tensor parallelism (a model loaded with
-`DistributedConfig(tp_size=N)`, every rank making the same calls): docs/multi-gpu.md.
+`HermesStream(model, processor, policy="hermes" | "h2svc", ...)` is one class for every policy: it builds the
+`StreamSetup` the policy is constructed from (docs/policies.md#setup), encodes chunks (`append_video`), checks room,
+makes every call all-or-nothing, asks questions (`ask`, `next_token_logits`), serves streams on several threads
+and resets; the policy holds the config, the cache and what follows a chunk's prefill. Usage: docs/stream.md#hermes;
+what fails how: docs/stream.md#both-policies; under tensor parallelism: docs/multi-gpu.md.
 """
 from __future__ import annotations
 
@@ -111,8 +104,8 @@ class HermesStream:
         video: model-ready pixel values (LLaVA-OV [B, F, C, S, S]; Qwen-VL flattened patches with
         `grid_thw=`) or raw frames for the processor's video processor. Qwen2.5-VL also takes
         `seconds_per_grid=`, Qwen3-VL `timestamps=` (seconds of each temporal step). Returns the step's result
-        (HERMES `CompressResult`, H2SVC `H2SVCChunkResult`), or None when no step ran. All or nothing: see the
-        module docstring.
+        (HERMES `CompressResult`, H2SVC `H2SVCChunkResult`), or None when no step ran. All or nothing
+        (docs/stream.md#both-policies).
         """
         self._check_usable()
         with torch.no_grad(), self._ranks.call():

@@ -1,13 +1,10 @@
 """Tiny random-weight LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL and Qwen3.5 models built from configs
 (docs/testing.md#scaffolding).
 
-Nothing is downloaded. The models keep the real architectures (Qwen2 / Qwen2.5-VL / Qwen3-VL / Qwen3.5 hybrid
-decoders with GQA, SigLIP / Qwen vision towers, Qwen3-VL's DeepStack mergers) at toy sizes so a forward takes
-milliseconds on CPU.
-Weights are drawn with a larger initializer range than the default 0.02 so attention is far from uniform and
-guidance scores are well separated (selection then does not hinge on rounding). Under tensor parallelism each rank
-holds an equal share of the heads, so a tiny model's KV heads must be a multiple of the rank count: 2 ranks for the
-defaults (4 heads, 2 KV heads), 4 for `tiny_llava_ov(num_heads=8, num_kv_heads=4)` (docs/multi-gpu.md#tested).
+`tiny_llava_ov`, `tiny_qwen2_5_vl`, `tiny_qwen3_vl`, `tiny_qwen3_5` and `tiny_qwen3_5_moe` keep the real
+architectures at toy sizes, with nothing downloaded; `qwen3_5_layer_types` lays out a hybrid model's layers. Why
+the larger initializer range, and the head counts tensor parallelism needs: docs/testing.md#scaffolding,
+docs/multi-gpu.md#tested.
 """
 from __future__ import annotations
 

@@ -54,8 +54,8 @@ def backend(request, monkeypatch):
 
 @pytest.fixture
 def single_thread():
-    """One intra-op thread, restored afterwards. Tiny models are latency-bound: on a shared 2-core runner OpenMP
-    spin-waits make their forwards up to 100x slower, and one thread also gives the same float sums as a
+    """One intra-op thread, restored afterwards. Tiny models are latency-bound: on a shared runner OpenMP
+    spin-waits make their forwards many times slower, and one thread also gives the same float sums as a
     `--threads 1` subprocess. Modules opt in with `pytestmark = pytest.mark.usefixtures("single_thread")`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

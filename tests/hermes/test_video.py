@@ -316,7 +316,7 @@ def test_fuzz_flipped_bytes_give_an_error_or_frames(sources, tmp_path, kind, see
 
 
 def test_fuzz_zero_length_and_non_monotonic_timestamps_are_skipped(tmp_path):
-    """Frames that do not come after the latest one are skipped (the module docstring): six frames at time 0 give
+    """Frames that do not come after the latest one are skipped (docs/security.md#video): six frames at time 0 give
     one sample; times 0, 0.5, 1, 0.4, 1.5, 0.2 s sampled at 2 fps give frames 0, 1, 2, 4."""
     assert read_bounded(write_packets(tmp_path / "zero.mkv", [0] * 6))["chunks"] == \
         [{"sources": [0], "shape": [1, HEIGHT, WIDTH, 3]}]

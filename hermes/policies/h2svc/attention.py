@@ -1,22 +1,10 @@
-"""H2SVC attention of one layer: one dense call per non-empty class over that class's block (docs/h2svc.md §3, §5).
+"""H2SVC attention of one layer: one dense call per class over that class's block (docs/h2svc.md §5).
 
-The registered "hermes" attention function (`hermes.attention`) stays the one entry: when the keys it is handed
-come from an `H2SVCCache` it calls `cache.attend`, which lands here. For layer l and every class c with heads in
-l (`cache.layer_parts`): the query heads of c's KV heads (GQA groups) are gathered, rotated to their true
-positions like the keys were (`incoming_delta`), attend over the rows of c's block (prefix, held frames, the
-incoming tokens) in one call of the model's own attention (`hermes.attention.model_attention`: flash-attn when
-installed on CUDA half precision and the mask is plain causal, else sdpa), and the outputs go back in head order.
-
-Masks (memoised per forward, built on the device from host ints and device tensors: no host sync):
-- text (a question, an answer, the prefix): causal over the class block (bottom-right: the queries are the
-  last T of its N keys), with the padding slots of a ragged question batch hidden;
-- a chunk's prefill, EPISODIC heads: causal: every retained frame plus the chunk's earlier tokens (§3, eviction
-  runs after the chunk);
-- a chunk's prefill, INSTANT / SHORT heads with window W: query frame i (stream index) sees the prefix and the
-  frames i − W + 1 … i, causally by token order inside the chunk (`frame_window_mask`), so a chunk gives the
-  outputs frame-by-frame streaming gives (ours: the rule of §3 applied to every chunk size, a single frame
-  included: a frame never sees more than W frames, its own counted, and a question after n frames sees the W
-  newest). When held + F <= W every frame is in every window and the mask is plain causal.
+The one registered "hermes" attention function reaches `class_attention` through `H2SVCCache.attend`. For every
+class with heads in the layer it gathers the query heads of that class's KV heads, rotates them to the true
+positions (`incoming_delta`), runs the model's own attention over the class block and puts the outputs back in head
+order. `frame_window_mask` is the instant / short heads' window while a chunk is prefilled. The masks and why a
+chunk then matches frame-by-frame streaming: docs/stream.md#h2svc-behind-the-front, docs/decisions.md#h2svc-model.
 """
 from __future__ import annotations
 
@@ -29,7 +17,7 @@ from hermes_kernels.rope import apply_rotary_delta
 
 def frame_window_mask(held_frames: torch.Tensor, prefix_len: int, tokens_per_frame: int, first_frame: int,
                       num_frames: int, window: int) -> torch.Tensor:
-    """bool [1, 1, T, N] of a FIFO class block during a chunk's prefill (module docstring).
+    """bool [1, 1, T, N] of a FIFO class block during a chunk's prefill (docs/decisions.md#h2svc-model).
 
     held_frames: int64 [held], the stream frame of each home slot in slot order (any order: a FIFO ring);
     keys are [0, P) the prefix, then the held frames' T_f slots each, then the chunk's T = F·T_f tokens
@@ -50,7 +38,8 @@ def frame_window_mask(held_frames: torch.Tensor, prefix_len: int, tokens_per_fra
 
 
 def _class_mask(cache, part, count: int, total: int, device: torch.device) -> torch.Tensor | None:
-    """The mask of `part`'s class for this forward, or None when it is plain causal (module docstring)."""
+    """The mask of `part`'s class for this forward, or None when it is plain causal
+    (docs/stream.md#h2svc-behind-the-front)."""
     hidden = cache.hidden_keys()
     cls = part.cls
     if hidden is not None:
@@ -70,7 +59,7 @@ def _class_mask(cache, part, count: int, total: int, device: torch.device) -> to
 
 def class_attention(module: torch.nn.Module, cache, layer: int, query: torch.Tensor, dropout: float = 0.0,
                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of `layer` over the class blocks of an `H2SVCCache` (module docstring).
+    """Attention of `layer` over the class blocks of an `H2SVCCache` (docs/h2svc.md §5).
 
     query: [B, H, T, D] at the default positions the model ran with (rotated here to the true ones). The keys
     and values of the incoming tokens are already in the blocks (`H2SVCCache.write`). Returns (output

@@ -19,7 +19,8 @@ CLASSES = tuple(range(len(CLASS_NAMES)))
 
 
 def class_capacity(cfg: H2SVCConfig, cls, chunk_frames: int, room: int) -> int:
-    """Token slots per row of class `cls`: P + (W_c + chunk_frames)·T_f + room (module docstring)."""
+    """Token slots per row of class `cls`: P + (W_c + chunk_frames)·T_f + room
+    (docs/stream.md#h2svc-behind-the-front)."""
     return cfg.prefix_len + (cfg.window(cls) + chunk_frames) * cfg.tokens_per_frame + room
 
 

@@ -1,39 +1,10 @@
 """The H2SVC KV cache: one stacked key and one value buffer per class and device (docs/h2svc.md §4–5).
 
-Layout. The rows of class c (its (layer, KV head) pairs, `cfg.class_rows(c)` order) live in buffers
-`[H_c, B, capacity_c, D]`; a model split over devices gets one block per class and run of consecutive layers on
-one device (`hermes.cache.layer_runs`), so a layer's class-c heads are one contiguous slice of rows on that
-layer's device (`cfg.layer_rows`). Token slots of every row: [0, P) the system prefix, then frame slot s at
-[P + s·T_f, P + (s+1)·T_f): the held frames in home slots [0, held_c), a chunk's arriving frames right after them
-(slots held_c .. held_c + F − 1, as `hk.h2svc_step` expects), or a question and its answer after the held frames.
-    capacity_c = P + (W_c + F_max)·T_f + room       (F_max: frames of the largest chunk; room: question + answer)
-Next to keys and values: positions per class row `[H_c, B, capacity_c]` (1D) or `[H_c, B, 3, capacity_c]`
-(M-RoPE), `slot_frames [H_c, B, W_c]` (the stream frame of every home slot, −1 empty) and, for EPISODIC, the frame
-features `[H_e, B, N_e, D]` fp32 STCE reads. Everything is allocated once: `data_ptrs()` never changes and memory
-is flat for any stream length.
-
-Lengths. All rows of a class hold the same number of tokens: prefix + held_c frames (+ the arrivals of a chunk
-awaiting its step) + text (a question and its answer, the same count in every class, truncated away after
-the answer). transformers sees one sequence whose length is the largest class's (`length`, a virtual slot count
-the model's default positions run on); `room()` is what still fits in every class.
-
-Positions (docs/h2svc.md §4). Incoming tokens get one position per token, shared by all heads of all layers: a chunk
-starts at the stream's next position R (a host int: the largest position so far + 1, or the right-aligned end
-after a re-index) plus the family's offsets; text after the video continues from R, then from its own largest
-position. The model runs at the default positions `length + i`; `write` rotates the incoming keys by
-(true − default) before storing them and the attention function rotates the queries the same way
-(`incoming_delta`), as HERMES does (docs/hermes.md §2.8).
-
-The step (`step`, after a chunk's prefill): `hk.h2svc_step` on every class block (all its rows in one call), with
-held / num_frames / first_frame from the host counters, reindex = `cfg.needs_reindex(largest position)` and
-next_position R = P + the largest retained visual token count over all heads (max_c min(W_c, held_c + F)·T_f),
-all decided on the host: no device read. Afterwards the counters move.
-
-Failures, as `hermes.cache`: forwards write only past each class's length and the counters move at the last
-layer, so `atomic()` undoes any failed call by restoring the host counters. The step validates every block
-(`check_h2svc_step`, the op's own checks) before the first block is written, so bad input (e.g. non-finite
-values of the arriving frames on CPU) raises with the cache untouched; an exception after the first block's
-writes began leaves the cache `undefined` until `reset()`.
+`H2SVCCache` holds, per class block (`hermes.policies.h2svc.blocks`), keys, values and true positions of the prefix,
+the held frames in home slots and a chunk's arrivals right after them, plus `slot_frames` and the episodic frame
+features; everything is allocated once. After a chunk's prefill `step` runs `hk.h2svc_step` on every class block with
+the stream clock taken from host counters: no device read, every block validated before the first is written. Layout,
+positions and failures: docs/stream.md#h2svc-behind-the-front; lengths and R: docs/decisions.md#h2svc-model.
 """
 from __future__ import annotations
 
@@ -94,7 +65,8 @@ class ClassForward(Forward):
 
 
 class H2SVCCache(StreamCacheBase):
-    """Fixed-capacity per-class KV cache with per-row positions and in-place H2SVC steps (module docstring).
+    """Fixed-capacity per-class KV cache with per-row positions and in-place H2SVC steps
+    (docs/stream.md#h2svc-behind-the-front).
 
     Args:
         cfg:            the H2SVC policy (head map, windows, prefix_len P, tokens_per_frame T_f, re-index rule).
@@ -167,7 +139,8 @@ class H2SVCCache(StreamCacheBase):
 
     @property
     def length(self) -> int:
-        """The sequence length transformers sees: the largest class length (module docstring)."""
+        """The sequence length transformers sees: the largest class length
+        (docs/decisions.md#h2svc-model)."""
         n = self.counters
         frames = max(n.held[c] for c in self.classes) + n.arrived
         return n.prefix + frames * self.cfg.tokens_per_frame + n.text
@@ -404,7 +377,7 @@ class H2SVCCache(StreamCacheBase):
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self, backend: str = "auto") -> H2SVCChunkResult:
         """One H2SVC step after a chunk's prefill (docs/h2svc.md §3–4), every class block in place: FIFO / STCE keep
-        sets, the slot plan, and the right-aligned re-index when `cfg.needs_reindex` says so (module docstring).
+        sets, the slot plan, and the right-aligned re-index when `cfg.needs_reindex` says so (docs/h2svc.md §7.2).
 
         Every block is checked before the first one is written (ValueError/TypeError, cache untouched); an
         exception after that leaves the cache `undefined`. Under tensor parallelism (`group`), where the checks read

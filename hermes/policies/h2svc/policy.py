@@ -1,14 +1,10 @@
-"""H2SVC behind the streaming front: `HermesStream(model, processor, policy="h2svc", head_map=...)`.
+"""H2SVC behind the streaming front: `HermesStream(model, processor, policy="h2svc", head_map=...)`
+(docs/stream.md#h2svc).
 
-    stream = HermesStream(model, processor, policy="h2svc", head_map="map.json")   # a profiler file
-    stream.append_video(chunk)          # prefill with frame-window masks, then one H2SVC step (every class block)
-    stream.ask("What is the person holding?")
-
-`H2SVCPolicy` is the entry of the policy registry (`hermes.policy`) for "h2svc": it builds the `H2SVCConfig` (the
-family's preset, a head map, window / ratio / re-index overrides), the `H2SVCCache` sized for the stream's chunks and
-room, and what follows a chunk: its prefill as a chunk of frames, then `cache.step`. Everything else (encoding, room
-checks, atomicity, questions, threads) is the front's, shared with HERMES. Under tensor parallelism the head map stays
-the whole model's (layer, KV head) map and each rank's cache takes its columns (docs/multi-gpu.md#h2svc).
+`H2SVCPolicy` is the "h2svc" entry of the policy registry (`hermes.policy`): from the stream's setup it builds the
+`H2SVCConfig` (the family's preset, a head map, window / ratio / re-index overrides) and the `H2SVCCache`, and after
+a chunk's prefill it runs `cache.step`; the front owns the rest. Its arguments: docs/stream.md#h2svc-behind-the-front;
+under tensor parallelism: docs/multi-gpu.md#h2svc.
 """
 from __future__ import annotations
 

@@ -1,31 +1,10 @@
-"""Offline routing of H2SVC heads (docs/h2svc.md §2, spatio-temporal attention profiling); its command line,
-`hermes-profile`, is `hermes.profile_cli`.
+"""Offline routing of H2SVC heads (docs/h2svc.md §2): `profile_heads` runs sample clips through the model with a full
+cache and returns the `HeadProfile` whose head map `save_head_map` writes (`hermes.policies.h2svc.head_map`).
 
-    from hermes.commands import load_model
-    from hermes.policies.h2svc.head_map import save_head_map
-    from hermes.policies.h2svc.profile import profile_heads
-
-    loaded = load_model("./llava-onevision-qwen2-7b-ov-hf")
-    profile = profile_heads(loaded.model, loaded.processor, ["a.mp4", "b.mp4"], fps=1, chunk_frames=16)
-    save_head_map(profile, "map.json")          # hermes.policies.h2svc.head_map: the file and its checks
-
-    hermes-profile --model PATH --videos a.mp4 b.mp4 --out map.json
-
-A clip runs as the stream lays it out, with a full cache (nothing evicted): the system prefix
-(`family.prefix_text`), the sampled frames chunk by chunk (`hermes.video` samples by timestamp,
-`family.prepare_frames` + `family.encode_video`), then each question (`family.question_text`) after the whole
-clip, the cache cropped back to the video after each one (as the stream truncates after an answer). Every segment
-starts at the largest position so far + 1 and video chunks take the family's relative offsets (Qwen2.5-VL: the
-M-RoPE (t, h, w) triples of `encode_video`, never transformers' get_rope_index; Qwen3-VL: the offsets of its
-get_rope_index, and each chunk's DeepStack features go into its forward, `VideoChunk.lm_kwargs`).
-
-Attention and the reduction to TAD sums, one block of query rows at a time, are `hermes.policies.h2svc.tad`.
-
-Text queries of T2V (ours): every token of the family's question segment `question_text(question)` (the question
-words and the chat markers that close the user turn and open the answer; the last one predicts the first answer
-token), plus, with answer_tokens > 0, up to that many greedy answer tokens fed back (stopping before the
-end-of-sequence token). With several questions each is asked alone after the whole clip, and a clip's TAD_T2V is
-the mean over its questions.
+A clip runs as the stream lays it out: the system prefix, the frames chunk by chunk, then each question alone
+after the whole clip. The attention and its reduction to TAD sums are `hermes.policies.h2svc.tad`; the command line,
+`hermes-profile`, is `hermes.profile_cli`. Usage, the clip layout and the text queries of T2V:
+docs/cli.md#profiling-heads-for-h2svc.
 """
 from __future__ import annotations
 
@@ -162,7 +141,7 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
                   max_frames: int | None, questions: tuple[str, ...], answer_tokens: int, prefix_ids: list[int],
                   bar) -> dict:
     """Run one clip (prefix, chunks, then each question alone) and return its record with per-KV-head
-    tad_v2v / tad_t2v float64 [L, Hkv] tensors (module docstring)."""
+    tad_v2v / tad_t2v float64 [L, Hkv] tensors (docs/cli.md#profiling-heads-for-h2svc)."""
     language_model = family.language_model(model)
     tokenizer = getattr(processor, "tokenizer", processor)
     embed = model.get_input_embeddings()
@@ -258,7 +237,8 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
                   system_prompt: str | None = None, query_block: int | None = None,
                   progress: bool = True) -> HeadProfile:
     """Profile the heads of a loaded LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL model on sample clips and route them
-    (docs/h2svc.md §2; the clip layout, the streamed reduction and the text queries are in the module docstring).
+    (docs/h2svc.md §2; the clip layout, the streamed reduction and the text queries:
+    docs/cli.md#profiling-heads-for-h2svc).
 
     model, processor: as for HermesStream (`hermes.commands.load_model` gives both); the model in eval mode.
     videos:        video files (decoded with PyAV, sampled at `fps` by timestamp) and/or frames already sampled,

@@ -1,24 +1,10 @@
-"""The head profiler's attention (docs/h2svc.md §2): eager attention of the language model computed over blocks of
-query rows, each block reduced at once to the TAD partial sums of its layer.
+"""The head profiler's attention (docs/h2svc.md §2): eager attention of the language model over blocks of query rows,
+each block reduced at once to the TAD partial sums of its layer, so no [H, S, S] map is ever held.
 
-Attention: the language model (not the vision tower) runs with `profile_attention_forward`, registered in
-transformers' AttentionInterface as PROFILE_ATTENTION for the duration of the call. It is the eager attention
-(scaled scores, causal mask, float32 softmax, output from the softmax cast to the model dtype) computed over
-blocks of query rows; each block's probabilities are reduced at once to the TAD partial sums of that layer, so
-attention holds one [H, block, S] block at a time (plus temporaries of its size), never an [H, S, S] map, let
-alone one per layer. The block has as many rows as fit BLOCK_BYTES of float32 probabilities (or query_block).
-
-Reduction (an exact rearrangement of docs/h2svc.md §2). A[q, F_j] = Σ_{k ∈ F_j} p[q, k], the float32 probabilities
-summed in float64. All n frames of a clip have the same T_f tokens, each a query exactly once (in its chunk), so
-
-    TAD_V2V = (1/n) Σ_i mean_{q ∈ F_i} Σ_{j ≤ i} (i − j)·A[q, F_j]
-            = 1/(n·T_f) Σ_{q ∈ frames} Σ_j max(i_q − j, 0)·A[q, F_j]
-    TAD_T2V = mean_{q ∈ text} Σ_j (n − 1 − j)·A[q, F_j]           (0-based frames; the newest at distance 0)
-
-are running sums per (layer, query head) (frames j > i_q carry no mass anyway: causality). TAD is linear in A, so
-averaging the query heads of a KV group afterwards equals the reference's averaging of their probabilities
-(`hermes_kernels.policies.h2svc.reference.tad_v2v` / `tad_t2v`, which the tests compare against on full attention maps).
-Clips are averaged (mean over videos), then `head_scores` and `classify_heads` give S(h) and the map.
+`profiling_attention` registers `profile_attention_forward` as PROFILE_ATTENTION for the duration of a call; a
+block has as many rows as fit BLOCK_BYTES of float32 probabilities (or `query_block`). `TADSums` holds the running
+sums per (layer, query head), from which `hermes_kernels.policies.h2svc.reference` gives S(h) and the map. The
+rearranged sums and why they equal the reference's: docs/cli.md#profiling-heads-for-h2svc.
 """
 from __future__ import annotations
 

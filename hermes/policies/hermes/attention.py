@@ -1,16 +1,10 @@
 """HERMES attention of one layer (docs/hermes.md §2.3, §2.8): what `HermesCache.attend` runs for every layer.
 
-(a) rotates the incoming tokens' q and k from the default positions the model ran with (`length + i`) to the
-    layer's true positions, one rotary delta per (layer, stream, token) taken from the cache (§2.7–2.8);
-    the rotated keys are written back into the cache's slots;
-(b) during a guidance pass (`cache.guidance` set, see `hermes.policies.hermes.guidance`) computes
-    `hermes_kernels.pooled_attention` of the layer's guidance prompt over the cache and stores the visual
-    part in `cache.guidance_attn`. On its own the pass stops the forward after the last layer that needs a
-    score; fused into a chunk's prefill (docs/hermes.md §4) the chunk's rows go through (c) exactly as in a plain
-    forward (their own call, their own mask) and the prompts' rows, which follow them, are computed apart;
-(c) otherwise the dense cache's attention (`hermes.dense.cached_attention`: the model's own attention, with a
-    bottom-right causal mask when queries follow cached keys and the padding slots of a ragged question batch
-    hidden).
+`layer_attention` rotates the incoming q and k from the default positions to the layer's true ones, then either
+runs the dense cache's attention (`hermes.dense.cached_attention`) or, during a guidance pass (`cache.guidance`
+set, `hermes.policies.hermes.guidance`), computes `hermes_kernels.pooled_attention` of the guidance prompts over the
+cache; `GuidanceDone` stops a pass run on its own after the last layer that scores. How a fused pass keeps a
+chunk's rows as in a plain prefill: docs/stream.md#hermes-behind-the-front.
 """
 from __future__ import annotations
 
@@ -37,8 +31,8 @@ def layer_attention(module: torch.nn.Module, cache: HermesCache, layer: int, que
                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """`HermesCache.attend`: query [b, H, T, D] (post-RoPE at default positions), key/value [b, Hkv, N + T, D] as
     `cache.update` returned them. Rotates q and the incoming keys to their true positions (written back into the
-    cache's slots: `hermes.dense.rotate_incoming`), then (b) or (c) of the module docstring. Returns (output
-    [b, T, H, D], None)."""
+    cache's slots: `hermes.dense.rotate_incoming`), then the guidance pass's attention or the dense cache's
+    (docs/stream.md#hermes-behind-the-front). Returns (output [b, T, H, D], None)."""
     start = key.shape[2] - query.shape[2]
     query = rotate_incoming(cache, layer, query, key)
     if cache.guidance is not None:
@@ -49,9 +43,9 @@ def layer_attention(module: torch.nn.Module, cache: HermesCache, layer: int, que
 
 def _guidance_attention(module, cache: HermesCache, layer: int, query, key, value, start: int, attention_mask,
                         dropout, scaling, **kwargs):
-    """(b): pooled attention of this layer's guidance prompt over the cache (§2.3), and the layer output: the
-    stored chunk's rows exactly as a plain forward computes them, then the prompts' rows (each prompt sees the
-    cache, the chunk and, causally, only itself)."""
+    """The guidance pass's attention: pooled attention of this layer's guidance prompt over the cache (§2.3), and
+    the layer output: the stored chunk's rows exactly as a plain forward computes them, then the prompts' rows
+    (each prompt sees the cache, the chunk and, causally, only itself)."""
     state: GuidanceState = cache.guidance
     stored = state.stored
     base = start + stored  # keys every prompt sees in full: the cache and the stored chunk

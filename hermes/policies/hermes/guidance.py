@@ -1,23 +1,10 @@
 """Guidance prompts and the guidance pass that feeds HERMES's attention score (docs/hermes.md §2.3, paper app. B).
 
-Which prompt a layer reads follows its role: shallow layers the local prompt, mid layers the mixed prompt
-(local + "; " + global), deep layers the global prompt. A layer whose recency weight ω_l is 1 never reads
-its attention score (S = R), so by default no prompt is run for it: with the presets the local prompt is
-never computed, and the first mid layer of LLaVA-OV (ω = 1.0) is skipped as well.
-
-The prompts that are needed run as ONE forward over the language model: their token ids are packed one
-after the other (per stream; streams whose prompts tokenize to different lengths are padded at the end) and
-the attention function (`hermes.attention`) keeps them apart (each sees the cache and, causally, itself).
-Nothing of them stays in the cache; every prompt gets the positions right after each layer's last position.
-A layer computes only the rows of prompts that some deeper layer scores (the others are zeros nobody reads:
-`GuidanceState.read_rows`), so a prompt costs attention up to its last scoring layer only.
-
-Two ways to run it (docs/hermes.md §4):
-- fused (`chunk=`): the prompts ride behind a chunk's own prefill, in the same forward. The chunk's tokens
-  are stored and computed exactly as in a plain prefill; the prompts see the cache and the whole chunk. One
-  forward per chunk; no LM head runs (the decoder stack is called, never the full model).
-- on its own: a read-only forward over the cache as it is, stopped after the deepest layer that needs a
-  score (`HermesStream.guidance_scores`, and the stream's `fused_guidance=False`).
+`guidance_prompts` gives the local, mixed and global prompts a layer reads by its role; `GuidancePlan` says which
+prompts run and which layers score with them (none for a layer whose ω is 1); `run_guidance` runs them as one
+forward over the language model, packed per stream, with `GuidanceState` telling the attention function
+(`hermes.attention`) which rows each layer computes. The pass runs fused behind a chunk's prefill or on its own
+(docs/hermes.md §4); both: docs/stream.md#hermes-behind-the-front.
 """
 from __future__ import annotations
 
