@@ -41,7 +41,8 @@ def h2svc_stream(case, model, frames: int, **kwargs) -> HermesStream:
     """An H2SVC stream for chunks of `frames` H2SVC frames, MIXED_MAP unless told otherwise, whose free slots are
     poisoned (NaN keys, values and features, sentinel positions): a read of a slot nobody wrote shows up. A hybrid
     model's map has a row per full-attention layer: MIXED_MAP's last rows (the all-episodic one last)."""
-    args = dict(policy="h2svc", head_map=MIXED_MAP[len(MIXED_MAP) - len(attention_layers(model)):], chunk_frames=video_frames(case, frames), room=160)
+    rows = MIXED_MAP[len(MIXED_MAP) - len(attention_layers(model)):]
+    args = dict(policy="h2svc", head_map=rows, chunk_frames=video_frames(case, frames), room=160)
     args.update(case.stream_kwargs)
     args.update(kwargs)
     stream = HermesStream(model, case.tokenizer(), **args)
