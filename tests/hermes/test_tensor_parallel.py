@@ -79,6 +79,19 @@ def test_caches_refuse_what_tensor_parallelism_cannot_use():
     assert H2SVCCache(classes=(2, 0, 1), **h2svc).classes == (0, 1, 2)
 
 
+def test_whole_heads_remedy_names_the_family_plan():
+    """The refusal of attention left whole on every rank says how to load the model: with the family's plan where it
+    has one (Qwen3-VL; the 2-rank run checks the refusal itself), else in one process or with device_map."""
+    from hermes.models import family_of_type
+    from hermes.parallel import whole_heads_remedy
+
+    assert "load it with DistributedConfig(tp_size=4, tp_plan=Qwen3_VL.tp_plan) (hermes.models.qwen3_vl)" in \
+        whole_heads_remedy(family_of_type("qwen3_vl"), 4)
+    other = whole_heads_remedy(family_of_type("qwen2_5_vl"), 4)
+    assert "tp_plan" not in other and other.endswith("run it in one process or split its layers over GPUs with "
+                                                     "device_map")
+
+
 # ---- what every rank runs --------------------------------------------------------------------------------------
 
 def _load(folder: str, tp: int | None):
