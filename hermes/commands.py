@@ -166,10 +166,8 @@ def tp_device(device: str | torch.device | None) -> torch.device:
 
 
 def check_tp_model(config, family, tp: int) -> None:
-    """A checkpoint's config.json against `tp` > 1, before any weights load: the family's attention must be split
-    by transformers' plan (`ModelFamily.tp_refusal`), and tp must divide its query and KV heads. UsageError."""
-    if family.tp_refusal is not None:
-        raise UsageError(f"tp: {family.name} under tensor parallelism is not supported: {family.tp_refusal}")
+    """A checkpoint's config.json against `tp` > 1, before any weights load: tp must divide its query and KV heads.
+    UsageError."""
     text = config.get_text_config()
     for what, count in (("KV", text.num_key_value_heads), ("query", text.num_attention_heads)):
         if count % tp:
@@ -181,8 +179,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
                dtype: str | torch.dtype = "auto", processor=None, tp: int | None = None) -> LoadedModel:
     """Load a local checkpoint folder: its family from config.json's model_type (checked before any weights
     load), the model with `AutoModelForImageTextToText` (`weights_options`), the processor with `load_processor`
-    (or the one given). `tp` N > 1 (under torchrun, N processes): `DistributedConfig(tp_size=N)`, every rank
-    holding its share of the heads on `tp_device` (docs/multi-gpu.md#launch)."""
+    (or the one given). `tp` N > 1 (under torchrun, N processes): `DistributedConfig(tp_size=N)` with the family's
+    `tp_plan` where it has one (Qwen3-VL), every rank holding its share of the heads on `tp_device`
+    (docs/multi-gpu.md#launch)."""
     from transformers import AutoModelForImageTextToText
 
     path = os.fspath(path)
@@ -196,7 +195,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
     parallel = {}
     if tp > 1:
         from transformers import DistributedConfig
-        parallel = {"distributed_config": DistributedConfig(tp_size=tp)}
+        plan = None if family.tp_plan is None else dict(family.tp_plan)  # transformers' plan, ours merged over it
+        parallel = {"distributed_config": DistributedConfig(tp_size=tp, tp_plan=plan)}
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **parallel, **weights_options(path))
     except pickle.UnpicklingError as err:  # torch's advice would be to unpickle in full: not a way out here

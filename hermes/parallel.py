@@ -50,16 +50,16 @@ class HeadShard:
 def head_shard(model: torch.nn.Module, family, language_model: torch.nn.Module) -> HeadShard | None:
     """This rank's `HeadShard` of a model loaded with `DistributedConfig(tp_size=N)`, N > 1; None for a model in one
     process. ValueError naming `model` for tensor parallelism the stream cannot run: attention left whole on every
-    rank (the family's `tp_refusal`, e.g. Qwen3-VL's plan in transformers 5.24), heads split unevenly, or other
-    parallelism (FSDP, pipeline) beside it."""
+    rank (e.g. Qwen3-VL loaded without its family's `tp_plan`: the message says how to load it), heads split
+    unevenly, or other parallelism (FSDP, pipeline) beside it."""
     tp_size = getattr(model, "tp_size", None) or 1
     attention = next(layer.self_attn for layer in language_model.layers if hasattr(layer, "self_attn"))
     weight = attention.k_proj.weight
     if tp_size == 1 and not isinstance(weight, DTensor):
         return None
-    if family.tp_refusal is not None or not isinstance(weight, DTensor):
-        why = family.tp_refusal or "its tensor-parallel plan leaves the attention heads whole on every rank"
-        raise ValueError(f"model: {family.name} under tensor parallelism (tp_size={tp_size}) is not supported: {why}")
+    if not isinstance(weight, DTensor):
+        raise ValueError(f"model: {family.name} under tensor parallelism (tp_size={tp_size}) holds every attention "
+                         f"head on every rank: {whole_heads_remedy(family, tp_size)}")
     config = getattr(model.config, "distributed_config", None)
     others = {name: getattr(config, name, 1) or 1 for name in ("pp_size", "fsdp_size", "dp_replicate_size")}
     if any(size > 1 for size in others.values()):
@@ -81,6 +81,18 @@ def head_shard(model: torch.nn.Module, family, language_model: torch.nn.Module) 
                          f"must divide the KV heads")
     return HeadShard(group=mesh.get_group(), index=mesh.get_local_rank(), count=count,
                      num_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads)
+
+
+def whole_heads_remedy(family, tp_size: int | str) -> str:
+    """How to load `family`'s model so that its attention heads are split: with the family's `tp_plan` where it has
+    one, else not under tensor parallelism."""
+    if family.tp_plan is None:
+        return "transformers' tensor-parallel plan for it does not split the heads; run it in one process or split " \
+               "its layers over GPUs with device_map"
+    cls = type(family)
+    return (f"transformers' plan for it does not split the heads; load it with DistributedConfig(tp_size={tp_size}, "
+            f"tp_plan={cls.__name__}.tp_plan) ({cls.__module__}), as hermes.commands.load_model(..., tp={tp_size}) "
+            f"does")
 
 
 def refusing_ranks(group, refused: bool, device: torch.device | str = "cpu") -> list[int]:

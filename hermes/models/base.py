@@ -153,9 +153,11 @@ class ModelFamily(abc.ABC):
     # ChatML text right before the first chunk and right before the question (the video's markers)
     before_video: ClassVar[str] = ""
     after_video: ClassVar[str] = ""
-    # why streams refuse the family under tensor parallelism, or None when transformers' plan for it splits every
-    # attention's heads over the ranks (docs/multi-gpu.md#families)
-    tp_refusal: ClassVar[str | None] = None
+    # rules for DistributedConfig(tp_plan=...) where transformers' plan for the family leaves the attention whole:
+    # keys as from_pretrained's model names its modules ("model.language_model.layers.*.self_attn.q_proj"), merged
+    # over transformers' plan; None where transformers' plan splits every attention's heads
+    # (docs/multi-gpu.md#families)
+    tp_plan: ClassVar[dict[str, str] | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -114,9 +114,14 @@ class Qwen3_VL(Qwen2_5_VL):
     preset_name = "qwen3_vl"
     pil_processor = Qwen3VLPilVideoProcessor
     before_video = after_video = ""
-    tp_refusal = ("transformers 5.24's tensor-parallel plan for Qwen3-VL shards its embeddings only, so every rank "
-                  "would hold and compute every attention head; run it in one process or split its layers over GPUs "
-                  "with device_map")
+    # ours: transformers 5.24's plan for Qwen3-VL's text model shards embed_tokens only. Qwen3.5's rules for the
+    # attention and the MLP: heads split by q/k/v's rows, o_proj's columns all-reduced (the hidden states, so the
+    # DeepStack additions, are whole on every rank); the per-head norms replicated (docs/multi-gpu.md#families)
+    tp_plan = {f"model.language_model.layers.*.{name}": style for name, style in (
+        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+        ("self_attn.o_proj", "rowwise"), ("self_attn.q_norm", "replicated_with_grad_allreduce"),
+        ("self_attn.k_norm", "replicated_with_grad_allreduce"), ("mlp.gate_proj", "colwise"),
+        ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))}
 
     def rotary(self, model):
         rotary = self.language_model(model).rotary_emb

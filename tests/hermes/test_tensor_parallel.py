@@ -3,11 +3,12 @@ against a one-process stream of the same tiny checkpoint in every rank: after ev
 indices, H2SVC's host counters), every layer's positions identical and this rank's heads of keys and values equal
 to the one-process cache's rows of those heads (float32 summation order apart); then the same averaged guidance
 scores, next-token logits within float32 tolerance and the same greedy answers. HERMES lazy (a re-index inside the
-run) and eager, H2SVC with head maps whose columns give the ranks different class sets; LLaVA-OV (1D RoPE) and
-Qwen2.5-VL (M-RoPE) and Qwen3.5 (hybrid: every rank runs the whole linear-attention layers and holds their states,
-compared too) on 2 ranks, LLaVA-OV with 4 KV heads on 4. Failures on 2 ranks: the same bad chunk on every
-rank, a non-finite value in one rank's pooled attention or in one rank's H2SVC heads, sampling, Qwen3-VL (refused),
-and last a fault inside one rank's layer (docs/multi-gpu.md#failures).
+run) and eager, H2SVC with head maps whose columns give the ranks different class sets; LLaVA-OV (1D RoPE),
+Qwen2.5-VL (M-RoPE), Qwen3-VL (our plan, DeepStack) and Qwen3.5 (hybrid: every rank runs the whole linear-attention
+layers and holds their states, compared too) on 2 ranks, LLaVA-OV with 4 KV heads on 4, loaded as the command loads
+them. Failures on 2 ranks: the same bad chunk on every rank, a non-finite value in one rank's pooled attention or in
+one rank's H2SVC heads, sampling, Qwen3-VL without its plan (refused), and last a fault inside one rank's layer
+(docs/multi-gpu.md#failures).
 
 The tiny models' KV heads must be a multiple of the rank count (docs/testing.md#scaffolding). One spawned run per
 rank count holds every check: process start and imports dominate the cost.
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 import hermes_kernels as hk
+from hermes.commands import load_model
+from hermes.models.qwen3_vl import Qwen3_VL
 from hermes.stream import HermesStream
 from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_vl
 from scaffolding.tokenizer import tiny_tokenizer
-from tests.hermes.streams import CASES, QUESTION, QWEN3_5
+from tests.hermes.streams import CASES, QUESTION, QWEN3_5, QWEN3_VL
 from tests.ranks import run_ranks
 
 CHUNKS = 5
@@ -75,13 +79,42 @@ def test_caches_refuse_what_tensor_parallelism_cannot_use():
     assert H2SVCCache(classes=(2, 0, 1), **h2svc).classes == (0, 1, 2)
 
 
+def test_whole_heads_remedy_names_the_family_plan():
+    """The refusal of attention left whole on every rank says how to load the model: with the family's plan where it
+    has one (Qwen3-VL; the 2-rank run checks the refusal itself), else in one process or with device_map."""
+    from hermes.models import family_of_type
+    from hermes.parallel import whole_heads_remedy
+
+    assert "load it with DistributedConfig(tp_size=4, tp_plan=Qwen3_VL.tp_plan) (hermes.models.qwen3_vl)" in \
+        whole_heads_remedy(family_of_type("qwen3_vl"), 4)
+    other = whole_heads_remedy(family_of_type("qwen2_5_vl"), 4)
+    assert "tp_plan" not in other and other.endswith("run it in one process or split its layers over GPUs with "
+                                                     "device_map")
+
+
 # ---- what every rank runs --------------------------------------------------------------------------------------
 
 def _load(folder: str, tp: int | None):
-    from transformers import AutoModelForImageTextToText, DistributedConfig
+    """The model as the command loads it (`load_model`: under tp, `DistributedConfig` with the family's `tp_plan`);
+    the checkpoint holds no processor, so a tokenizer stands in (the streams take theirs from the case)."""
+    return load_model(folder, device="cpu" if tp is None else None, dtype="float32", processor=tiny_tokenizer(),
+                      tp=tp).model
 
-    extra = {} if tp is None else {"distributed_config": DistributedConfig(tp_size=tp)}
-    return AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **extra).eval()
+
+def _sharded_by_plan(model, plan: dict) -> None:
+    """Every weight a rule of `plan` names is a DTensor split as the rule says (colwise: rows, Shard(0); rowwise:
+    columns, Shard(1)) in every layer; the replicated norms are plain tensors."""
+    placements = {"colwise": (Shard(0),), "rowwise": (Shard(1),), "replicated_with_grad_allreduce": None}
+    layers = model.config.get_text_config().num_hidden_layers
+    modules = dict(model.named_modules())
+    for rule, style in plan.items():
+        for layer in range(layers):
+            weight = modules[rule.replace("*", str(layer))].weight
+            if placements[style] is None:
+                assert not isinstance(weight, DTensor), f"{rule} layer {layer}: {type(weight).__name__}"
+            else:
+                assert isinstance(weight, DTensor) and tuple(weight.placements) == placements[style], \
+                    f"{rule} layer {layer}: {getattr(weight, 'placements', type(weight).__name__)}"
 
 
 def _two_ranks(rank: int, world: int, checkpoints: dict) -> None:
@@ -93,10 +126,13 @@ def _two_ranks(rank: int, world: int, checkpoints: dict) -> None:
         head_map = SPLIT_MAP if family == "llava_ov" else None  # None: the default map of the whole model
         for kwargs in (lazy, dict(HERMES, reindex="eager"), dict(H2SVC, head_map=head_map, reindex="eager")):
             _compare(rank, world, models, case, kwargs)
-    models = _load(checkpoints["qwen3_5"], None), _load(checkpoints["qwen3_5"], world)
-    lazy = dict(HERMES, margin=models[0].config.get_text_config().max_position_embeddings - 60)
-    for kwargs in (lazy, dict(H2SVC, reindex="eager")):
-        _compare(rank, world, models, QWEN3_5, kwargs)
+    for case in (QWEN3_VL, QWEN3_5):
+        models = _load(checkpoints[case.name], None), _load(checkpoints[case.name], world)
+        if case is QWEN3_VL:
+            _sharded_by_plan(models[1], Qwen3_VL.tp_plan)
+        lazy = dict(HERMES, margin=models[0].config.get_text_config().max_position_embeddings - 60)
+        for kwargs in (lazy, dict(H2SVC, reindex="eager")):
+            _compare(rank, world, models, case, kwargs)
     models = _load(checkpoints["llava_ov"], None), _load(checkpoints["llava_ov"], world)
     _failures(rank, world, models, CASES["llava_ov"])
     _qwen3_vl_refused(world, checkpoints["qwen3_vl"])
@@ -275,9 +311,16 @@ def _nan_values(stream: HermesStream):
 
 
 def _qwen3_vl_refused(world: int, folder: str) -> None:
-    model = _load(folder, world)
+    """Qwen3-VL loaded under tensor parallelism without the family's plan (transformers' own: every head on every
+    rank) is refused, the message naming the plan to load it with."""
+    from transformers import AutoModelForImageTextToText, DistributedConfig
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
+                                                        distributed_config=DistributedConfig(tp_size=world)).eval()
     _refused(lambda: HermesStream(model, tiny_tokenizer(digits=True), **HERMES),
-             "Qwen3-VL under tensor parallelism (tp_size=2) is not supported", "Qwen3-VL")
+             f"Qwen3-VL under tensor parallelism (tp_size={world}) holds every attention head on every rank: "
+             f"transformers' plan for it does not split the heads; load it with DistributedConfig(tp_size={world}, "
+             f"tp_plan=Qwen3_VL.tp_plan) (hermes.models.qwen3_vl)", "Qwen3-VL without its plan")
 
 
 def _layer_fault(rank: int, world: int, models, case) -> None:

@@ -1,7 +1,8 @@
 """The commands under tensor parallelism (docs/multi-gpu.md#launch): `torchrun --nproc-per-node 2 -m hermes --tp 2`
-streams a video as one process does, rank 0 printing the records and the one progress bar, rank 1 nothing;
-settings that cannot work (--tp without torchrun, a tp that does not divide the KV heads, processes without --tp,
-Qwen3-VL, questions from standard input) are one line before any weights load; `hermes-profile` refuses --tp.
+streams a video as one process does (LLaVA-OV; Qwen3-VL, loaded with its family's tp_plan), rank 0 printing the
+records and the one progress bar, rank 1 nothing; settings that cannot work (--tp without torchrun, a tp that does
+not divide the KV heads, processes without --tp, questions from standard input) are one line before any weights
+load; `hermes-profile` refuses --tp.
 """
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import sys
 import pytest
 
 from hermes import cli, profile_cli
-from hermes.commands import UsageError, check_tp_model
-from hermes.models import family_of_type
-from scaffolding.models import tiny_qwen3_vl
+from scaffolding.checkpoint import save_tiny_checkpoint
 from tests.hermes.video_files import write_video
 from tests.utils import REPO, error_line
 
@@ -31,6 +30,12 @@ TIMINGS = ("prepare_ms", "latency_ms")
 @pytest.fixture(scope="module")
 def video(tmp_path_factory):
     return write_video(tmp_path_factory.mktemp("videos") / "clip.mp4", [i / 4 for i in range(40)])  # 10 s, 3 chunks
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_checkpoints, tmp_path_factory) -> dict:
+    """model_type -> tiny checkpoint folder: the shared ones and Qwen3-VL's."""
+    return {**tiny_checkpoints, "qwen3_vl": save_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_vl"), "qwen3_vl")}
 
 
 def _launched(monkeypatch, world: int | None, rank: int = 0) -> None:
@@ -73,13 +78,6 @@ def test_other_ranks_leave_usage_errors_to_rank_0(tiny_checkpoints, video, capsy
     assert capsys.readouterr() == ("", "")
 
 
-def test_qwen3_vl_is_refused_from_its_config():
-    family = family_of_type("qwen3_vl")
-    with pytest.raises(UsageError, match=r"tp: Qwen3-VL under tensor parallelism is not supported: transformers "
-                                         r"5\.24's tensor-parallel plan for Qwen3-VL shards its embeddings only"):
-        check_tp_model(tiny_qwen3_vl().config, family, 2)
-
-
 @pytest.mark.parametrize("world, args", [(None, ["--tp", "2"]), (2, [])])
 def test_profile_refuses_tensor_parallelism(world, args, tiny_checkpoints, video, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(profile_cli, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
@@ -94,12 +92,13 @@ def _without_timings(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMINGS + ("cache_bytes",)} for r in records]
 
 
-def test_torchrun_streams_as_one_process(tiny_checkpoints, video, capsys, monkeypatch):
+@pytest.mark.parametrize("model_type", ["llava_onevision", "qwen3_vl"])
+def test_torchrun_streams_as_one_process(model_type, folders, video, capsys, monkeypatch):
     """torchrun --nproc-per-node 2 -m hermes --tp 2 --json: the records of one process (the cache's bytes are rank
     0's share), printed once; the progress bar drawn as often as one process draws it (rank 1 draws none); exit
-    0."""
+    0. Qwen3-VL: transformers' plan would leave its heads whole; the command loads it with the family's tp_plan."""
     _launched(monkeypatch, None)
-    argv = ["--model", tiny_checkpoints["llava_onevision"], "--video", video, "--question", QUESTION, *RUN,
+    argv = ["--model", folders[model_type], "--video", video, "--question", QUESTION, *RUN,
             "--threads", "1", "--json"]
     assert cli.main(argv + ["--device", "cpu"]) == 0
     one = capsys.readouterr()

@@ -42,7 +42,7 @@ def test_registered_for_both_model_types():
                                                         "linear_attention", "full_attention", "linear_attention"]
     family = family_of_type("qwen3_5_moe")
     assert family.preset_name in HermesConfig.PRESETS and family.preset_name in H2SVCConfig.PRESETS
-    assert family.pil_processor is Qwen3VLPilVideoProcessor and family.tp_refusal is None
+    assert family.pil_processor is Qwen3VLPilVideoProcessor and family.tp_plan is None
     assert qwen3_5_layer_types(1) == ["linear_attention", "full_attention", "linear_attention"]
     assert qwen3_5_layer_types(4) == ["linear_attention"] + ["full_attention"] * 2 + ["linear_attention"] + \
         ["full_attention"] * 2 + ["linear_attention"]
@@ -51,9 +51,9 @@ def test_registered_for_both_model_types():
 @pytest.mark.parametrize("config", [configuration_qwen3_5.Qwen3_5TextConfig,
                                     configuration_qwen3_5_moe.Qwen3_5MoeTextConfig])
 def test_tensor_parallel_plan_splits_every_full_attention_head(config):
-    """Why the family sets no tp_refusal: transformers' plan shards the full-attention projections by heads (q, k, v
-    column-wise, o row-wise); the linear-attention projections are gathered after every one, so each rank holds
-    whole linear states (docs/qwen3_5.md#tensor-parallel)."""
+    """Why the family sets no tp_plan of its own: transformers' plan shards the full-attention projections by heads
+    (q, k, v column-wise, o row-wise); the linear-attention projections are gathered after every one, so each rank
+    holds whole linear states (docs/qwen3_5.md#tensor-parallel)."""
     plan = config.base_model_tp_plan
     assert [plan[f"layers.*.self_attn.{name}_proj"] for name in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
     linear = {key: value for key, value in plan.items() if ".linear_attn." in key}

@@ -3,6 +3,8 @@ against the model's own forward (`tests.hermes.models.qwen3_vl_reference`): posi
 same frames, streamed logits and answers equal one full forward (both policies, nothing evicted), chunked prefills
 (plain and fused with HERMES's guidance prompts) give the model's hidden states. The shared stream behaviours run
 under this family from tests/hermes/stream/ (`FAMILIES`)."""
+import re
+
 import pytest
 import torch
 
@@ -181,3 +183,20 @@ def test_bad_processors_and_tokenizers_are_refused():
 
     with pytest.raises(ValueError, match="token counts"):
         Qwen3_VL().encode_video(model, uneven, batch_size=1, **dict(chunk, timestamps=[9.5, 10.5]))
+
+
+def test_tensor_parallel_plan_names_every_text_layer():
+    """Why the family carries a tp_plan: transformers' plan for Qwen3-VL's text model shards its embeddings only.
+    Ours: every rule names one module in each decoder layer of the text model and none in the vision tower (that
+    its rules shard the weights as they say, on 2 ranks: tests/hermes/test_tensor_parallel.py)."""
+    model = tiny_qwen3_vl()
+    assert model.config.text_config.base_model_tp_plan == {"embed_tokens": "embedding_rowwise"}
+    names = [name for name, _ in model.named_modules()]
+    layers = model.config.text_config.num_hidden_layers
+    for rule, style in Qwen3_VL.tp_plan.items():
+        pattern = re.compile(re.escape(rule).replace(r"\*", r"\d+"))
+        matched = [name for name in names if pattern.fullmatch(name)]
+        assert matched == [rule.replace("*", str(i)) for i in range(layers)], rule
+    styles = {rule.split("layers.*.")[1]: style for rule, style in Qwen3_VL.tp_plan.items()}
+    assert [styles[f"self_attn.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert [styles[f"mlp.{p}_proj"] for p in ("gate", "up", "down")] == ["colwise"] * 2 + ["rowwise"]
