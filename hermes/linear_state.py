@@ -75,13 +75,6 @@ class LinearLayout:
         """Decoder indices of the linear-attention layers, in depth order."""
         return tuple(i for i, kind in enumerate(self.kinds) if kind == LINEAR)
 
-    def nbytes(self, batch_size: int, copies: int = 2) -> int:
-        """Bytes of the linear states of `batch_size` streams, `copies` of each (the cache keeps 2)."""
-        total = 0
-        for (channels, kernel), (heads, dk, dv), dtype in zip(self.conv, self.recurrent, self.dtypes):
-            total += channels * kernel * torch.empty((), dtype=dtype).element_size() + heads * dk * dv * 4
-        return copies * batch_size * total
-
 
 @dataclasses.dataclass
 class _Live:
