@@ -79,11 +79,13 @@ class LinearLayout:
 @dataclasses.dataclass
 class _Live:
     """One linear layer's state inside the running forward context: `conv`, `recurrent` are the tensors its
-    forwards read and write; `fresh` while they hold no state yet (the model then starts from zeros)."""
+    forwards read and write; `fresh` while they hold no state yet (the model then starts from zeros); `done` once a
+    forward has stored its recurrent state (the layer's last call)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
     fresh: bool
+    done: bool = False
 
 
 class LinearStates:
@@ -148,7 +150,7 @@ class LinearStates:
         self._mode, self._live, self._implicit = None, {}, False
         if mode != "store" or not live:
             return
-        if not success or len(live) != len(self.slot_of) or any(state.fresh for state in live.values()):
+        if not success or len(live) != len(self.slot_of) or not all(state.done for state in live.values()):
             self._undo = None  # the working copy was written: the state before the last commit is gone
             if success:
                 raise RuntimeError("linear states: a storing forward did not run every linear-attention layer")
@@ -224,7 +226,7 @@ class LinearStates:
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer: int) -> torch.Tensor:
         live = self._open(layer)
         live.recurrent.copy_(recurrent_states)
-        live.fresh = False
+        live.fresh, live.done = False, True
         return live.recurrent
 
     def contents(self) -> dict[str, torch.Tensor]:

@@ -1,11 +1,14 @@
 """`hermes.linear_state` on its own: the layer kinds read from a config (defaults and refusals, from the config alone)
-and the layout's own checks. The states' behaviour inside a stream is tested on Qwen3.5
+the layout's own checks, and `LinearStates` alone (commit, undo, read-only and failed contexts, a forward outside
+any context) on synthetic states. The states' behaviour inside a stream is tested on Qwen3.5
 (tests/hermes/models/test_qwen3_5_stream.py, the shared stream checks)."""
+import types
+
 import pytest
 import torch
 from transformers import Qwen2Config
 
-from hermes.linear_state import FULL, LINEAR, LinearLayout, layer_kinds
+from hermes.linear_state import FULL, LINEAR, LinearLayout, LinearStates, layer_kinds
 from scaffolding.models import tiny_qwen3_5
 
 
@@ -13,6 +16,7 @@ def test_a_config_without_layer_types_is_all_full_attention():
     config = Qwen2Config(num_hidden_layers=3, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
     config.layer_types = None
     assert layer_kinds(config) == (FULL,) * 3
+    assert layer_kinds(types.SimpleNamespace(num_hidden_layers=2)) == (FULL,) * 2  # a text config, no layer_types
 
 
 def test_the_text_config_of_a_vlm_says_which_layer_is_which():
@@ -44,3 +48,153 @@ def test_a_layout_needs_the_state_of_every_linear_layer():
         LinearLayout(kinds=kinds, **one)
     two = {name: value * 2 for name, value in one.items()}
     assert LinearLayout(kinds=kinds, **two).linear_layers == (0, 2)
+
+
+# ---- LinearStates on its own: two linear layers (decoder 0 and 2) around a full one, 3 channels, kernel 4 ---------
+CPU = torch.device("cpu")
+LAYOUT = LinearLayout(kinds=(LINEAR, FULL, LINEAR), conv=((3, 4),) * 2, recurrent=((2, 2, 2),) * 2,
+                      dtypes=(torch.float32,) * 2, devices=(CPU,) * 2)
+
+
+def new_states(batch: int = 1) -> LinearStates:
+    return LinearStates(LAYOUT, batch, lambda shape, dtype, device: torch.full(shape, -7.0, dtype=dtype,
+                                                                               device=device))
+
+
+def run_layers(states: LinearStates, value: float, tokens: int = 5, layers=(0, 2)) -> list:
+    """What transformers' linear-attention layer does with the cache, per layer: read both states, hand in the
+    convolution input [B, C, T] (getting back what the convolution reads), store the new recurrent state."""
+    seen = []
+    for layer in layers:
+        # clones: the tensors read are the working copy, which the update then writes in place
+        seen.append(tuple(None if t is None else t.clone()
+                          for t in (states.get_conv_state(layer), states.get_recurrent_state(layer))))
+        seen.append(states.update_conv_state(torch.full((1, 3, tokens), value), layer, conv_kernel_size=4))
+        states.update_recurrent_state(torch.full((1, 2, 2, 2), value), layer)
+    return seen
+
+
+def committed(states: LinearStates) -> float | None:
+    """The one value every committed state holds (None without a state)."""
+    views = list(states.contents().values())
+    if not views:
+        return None
+    values = torch.cat([view.flatten() for view in views]).unique()
+    assert len(values) == 1, values
+    return float(values[0])
+
+
+def test_a_fresh_state_starts_from_zeros_and_pads_a_short_input():
+    """No state (after reset): the layers read None, and an input shorter than the kernel comes back left-padded
+    with zeros to K columns, which are what the state keeps (the buffers' poison never shows)."""
+    states = new_states()
+    states.begin(store=True)
+    seen = run_layers(states, 2.0, tokens=2)
+    assert seen[0] == (None, None)
+    assert torch.equal(seen[1], torch.tensor([0.0, 0.0, 2.0, 2.0]).expand(1, 3, 4))
+    states.end(True)
+    conv = states.contents()["linear layer 0 conv state"]
+    assert torch.equal(conv, torch.tensor([0.0, 0.0, 2.0, 2.0]).expand(1, 3, 4))
+
+
+def test_a_commit_swaps_the_copies_and_one_undo_puts_the_last_back():
+    states = new_states()
+    assert committed(states) is None and not states.can_undo
+    for value in (1.0, 2.0):
+        states.begin(store=True)
+        seen = run_layers(states, value)
+        states.end(True)
+    assert committed(states) == 2.0 and states.epoch == 2 and states.can_undo
+    assert torch.equal(seen[0][0], torch.ones(1, 3, 4))  # the second context read the first one's state
+    assert torch.equal(seen[1][..., :4], torch.ones(1, 3, 4)) and seen[1].shape[-1] == 4 + 5
+    states.undo()
+    assert committed(states) == 1.0 and states.epoch == 1 and not states.can_undo
+    with pytest.raises(RuntimeError, match="nothing to undo"):
+        states.undo()
+    states.begin(store=True)
+    run_layers(states, 3.0)
+    states.end(True)
+    states.undo()
+    assert committed(states) == 1.0 and not states.can_undo
+
+
+def test_the_first_commit_can_be_undone_back_to_no_state():
+    states = new_states()
+    states.begin(store=True)
+    run_layers(states, 1.0)
+    states.end(True)
+    states.undo()
+    assert committed(states) is None and states.epoch == 0
+
+
+@pytest.mark.parametrize("how", ["raises", "one layer only", "a layer without its recurrent state"])
+def test_a_storing_context_that_fails_commits_nothing_and_ends_the_undo(how):
+    states = new_states()
+    for value in (1.0, 2.0):
+        states.begin(store=True)
+        run_layers(states, value)
+        states.end(True)
+    states.begin(store=True)
+    if how == "raises":
+        run_layers(states, 3.0)
+        states.end(False)
+    else:
+        if how == "one layer only":
+            run_layers(states, 3.0, layers=(0,))
+        else:
+            states.get_conv_state(2)
+            states.update_conv_state(torch.full((1, 3, 5), 3.0), 2)
+            run_layers(states, 3.0, layers=(0,))
+        with pytest.raises(RuntimeError, match="did not run every linear-attention layer"):
+            states.end(True)
+    assert committed(states) == 2.0 and states.epoch == 2
+    assert not states.can_undo  # the working copy, which held the state before 2.0, was written
+
+
+def test_a_read_only_context_moves_nothing():
+    states = new_states()
+    states.begin(store=True)
+    run_layers(states, 1.0)
+    states.end(True)
+    for success in (True, False):
+        states.begin(store=False)
+        seen = run_layers(states, 5.0)
+        assert torch.equal(seen[0][0], torch.ones(1, 3, 4))
+        states.end(success)
+        assert committed(states) == 1.0 and states.epoch == 1 and states.can_undo
+
+
+def test_a_forward_outside_any_context_commits_at_its_end():
+    states = new_states()
+    with pytest.raises(RuntimeError, match="outside a forward context"):
+        states.get_conv_state(0)
+    states.forward_begins()
+    run_layers(states, 4.0)
+    states.forward_ends()
+    assert committed(states) == 4.0 and states.can_undo
+    states.forward_begins()
+    run_layers(states, 6.0, layers=(0,))  # a forward that failed after its first layer
+    states.forward_begins()  # the next one drops it, and starts again from the committed state
+    assert torch.equal(run_layers(states, 7.0)[0][0], torch.full((1, 3, 4), 4.0))
+    states.forward_ends()
+    assert committed(states) == 7.0 and states.can_undo
+    states.undo()
+    assert committed(states) == 4.0
+    states.reset()
+    assert committed(states) is None and states.epoch == 0 and not states.can_undo
+    states.forward_begins()
+    assert run_layers(states, 8.0)[0] == (None, None)
+    states.forward_ends()
+    assert committed(states) == 8.0
+
+
+def test_forget_undo_and_a_kernel_mismatch():
+    states = new_states()
+    states.begin(store=True)
+    run_layers(states, 1.0)
+    states.end(True)
+    states.forget_undo()
+    assert not states.can_undo
+    states.begin(store=True)
+    with pytest.raises(ValueError, match="conv_kernel_size: layer 0 keeps 4 columns, got 3"):
+        states.update_conv_state(torch.zeros(1, 3, 5), 0, conv_kernel_size=3)
