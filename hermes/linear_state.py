@@ -133,8 +133,6 @@ class LinearStates:
         """Decoder layer 0 of a forward outside any context: a storing context of its own begins (one a failed
         forward left open is dropped)."""
         if self._mode is None or self._implicit:
-            if self._live:
-                self._undo = None
             self.begin(store=True)
             self._implicit = True
 
@@ -185,8 +183,7 @@ class LinearStates:
         if live is None:
             slot = self.slot_of[layer]
             conv, recurrent = self.conv[slot], self.recurrent[slot]
-            if self._mode == "store":
-                self._undo = None  # the working copy is the state the last commit replaced
+            if self._mode == "store":  # the working copy, which holds the state the last commit replaced
                 work_conv, work_rec = conv[1 - self.committed], recurrent[1 - self.committed]
                 if self.has_state:
                     work_conv.copy_(conv[self.committed])

@@ -50,9 +50,9 @@ def test_a_layout_needs_the_state_of_every_linear_layer():
     assert LinearLayout(kinds=kinds, **two).linear_layers == (0, 2)
 
 
-# ---- LinearStates on its own: two linear layers (decoder 0 and 2) around a full one, 3 channels, kernel 4 ---------
+# ---- LinearStates on its own: two linear layers (decoder 0 and 2) around a full one, 6 channels, kernel 4 ---------
 CPU = torch.device("cpu")
-LAYOUT = LinearLayout(kinds=(LINEAR, FULL, LINEAR), conv=((3, 4),) * 2, recurrent=((2, 2, 2),) * 2,
+LAYOUT = LinearLayout(kinds=(LINEAR, FULL, LINEAR), conv=((6, 4),) * 2, recurrent=((2, 2, 2),) * 2,
                       dtypes=(torch.float32,) * 2, devices=(CPU,) * 2)
 
 
@@ -69,7 +69,7 @@ def run_layers(states: LinearStates, value: float, tokens: int = 5, layers=(0, 2
         # clones: the tensors read are the working copy, which the update then writes in place
         seen.append(tuple(None if t is None else t.clone()
                           for t in (states.get_conv_state(layer), states.get_recurrent_state(layer))))
-        seen.append(states.update_conv_state(torch.full((1, 3, tokens), value), layer, conv_kernel_size=4))
+        seen.append(states.update_conv_state(torch.full((1, 6, tokens), value), layer, conv_kernel_size=4))
         states.update_recurrent_state(torch.full((1, 2, 2, 2), value), layer)
     return seen
 
@@ -91,10 +91,10 @@ def test_a_fresh_state_starts_from_zeros_and_pads_a_short_input():
     states.begin(store=True)
     seen = run_layers(states, 2.0, tokens=2)
     assert seen[0] == (None, None)
-    assert torch.equal(seen[1], torch.tensor([0.0, 0.0, 2.0, 2.0]).expand(1, 3, 4))
+    assert torch.equal(seen[1], torch.tensor([0.0, 0.0, 2.0, 2.0]).expand(1, 6, 4))
     states.end(True)
     conv = states.contents()["linear layer 0 conv state"]
-    assert torch.equal(conv, torch.tensor([0.0, 0.0, 2.0, 2.0]).expand(1, 3, 4))
+    assert torch.equal(conv, torch.tensor([0.0, 0.0, 2.0, 2.0]).expand(1, 6, 4))
 
 
 def test_a_commit_swaps_the_copies_and_one_undo_puts_the_last_back():
@@ -105,8 +105,8 @@ def test_a_commit_swaps_the_copies_and_one_undo_puts_the_last_back():
         seen = run_layers(states, value)
         states.end(True)
     assert committed(states) == 2.0 and states.epoch == 2 and states.can_undo
-    assert torch.equal(seen[0][0], torch.ones(1, 3, 4))  # the second context read the first one's state
-    assert torch.equal(seen[1][..., :4], torch.ones(1, 3, 4)) and seen[1].shape[-1] == 4 + 5
+    assert torch.equal(seen[0][0], torch.ones(1, 6, 4))  # the second context read the first one's state
+    assert torch.equal(seen[1][..., :4], torch.ones(1, 6, 4)) and seen[1].shape[-1] == 4 + 5
     states.undo()
     assert committed(states) == 1.0 and states.epoch == 1 and not states.can_undo
     with pytest.raises(RuntimeError, match="nothing to undo"):
@@ -143,7 +143,7 @@ def test_a_storing_context_that_fails_commits_nothing_and_ends_the_undo(how):
             run_layers(states, 3.0, layers=(0,))
         else:
             states.get_conv_state(2)
-            states.update_conv_state(torch.full((1, 3, 5), 3.0), 2)
+            states.update_conv_state(torch.full((1, 6, 5), 3.0), 2)
             run_layers(states, 3.0, layers=(0,))
         with pytest.raises(RuntimeError, match="did not run every linear-attention layer"):
             states.end(True)
@@ -159,7 +159,7 @@ def test_a_read_only_context_moves_nothing():
     for success in (True, False):
         states.begin(store=False)
         seen = run_layers(states, 5.0)
-        assert torch.equal(seen[0][0], torch.ones(1, 3, 4))
+        assert torch.equal(seen[0][0], torch.ones(1, 6, 4))
         states.end(success)
         assert committed(states) == 1.0 and states.epoch == 1 and states.can_undo
 
@@ -175,7 +175,7 @@ def test_a_forward_outside_any_context_commits_at_its_end():
     states.forward_begins()
     run_layers(states, 6.0, layers=(0,))  # a forward that failed after its first layer
     states.forward_begins()  # the next one drops it, and starts again from the committed state
-    assert torch.equal(run_layers(states, 7.0)[0][0], torch.full((1, 3, 4), 4.0))
+    assert torch.equal(run_layers(states, 7.0)[0][0], torch.full((1, 6, 4), 4.0))
     states.forward_ends()
     assert committed(states) == 7.0 and states.can_undo
     states.undo()
@@ -197,4 +197,21 @@ def test_forget_undo_and_a_kernel_mismatch():
     assert not states.can_undo
     states.begin(store=True)
     with pytest.raises(ValueError, match="conv_kernel_size: layer 0 keeps 4 columns, got 3"):
-        states.update_conv_state(torch.zeros(1, 3, 5), 0, conv_kernel_size=3)
+        states.update_conv_state(torch.zeros(1, 6, 5), 0, conv_kernel_size=3)
+
+
+def test_two_copies_and_forwards_of_one_context_follow_each_other():
+    """Each state is held twice ([2, B, ...]: committed and working); inside one storing context (a question and
+    its decode steps) each forward reads the state the one before stored, and only the context's end commits, not
+    the end of a forward of it."""
+    states = new_states(batch=3)
+    assert [tuple(t.shape) for t in states.conv + states.recurrent] == [(2, 3, 6, 4)] * 2 + [(2, 3, 2, 2, 2)] * 2
+    states = new_states()
+    states.begin(store=True)
+    run_layers(states, 1.0)
+    states.forward_ends()  # inside a context: not a context-free forward's end
+    assert committed(states) is None
+    seen = run_layers(states, 2.0)
+    assert torch.equal(seen[0][1], torch.ones(1, 2, 2, 2))
+    states.end(True)
+    assert committed(states) == 2.0 and states.epoch == 1
