@@ -104,7 +104,6 @@ class LinearStates:
     def __init__(self, layout: LinearLayout, batch_size: int, allocate):
         """layout: the model's `LinearLayout`; allocate: `(shape, dtype, device) -> tensor`, the owning cache's
         `allocate` (so its `buffers()`, `nbytes()` and `data_ptrs()` count the states)."""
-        self.layout = layout
         self.slot_of = {layer: i for i, layer in enumerate(layout.linear_layers)}
         self.conv = [allocate((2, batch_size, *shape), dtype, device)
                      for shape, dtype, device in zip(layout.conv, layout.dtypes, layout.devices)]
