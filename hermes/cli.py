@@ -1,6 +1,6 @@
-"""`hermes` (or `python -m hermes`): stream a video file through LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL with a
-HERMES (or H2SVC) cache and answer questions about it; `run(...)` does the same from Python and returns the records
-`--json` prints.
+"""`hermes` (or `python -m hermes`): stream a video file through LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL or Qwen3.5
+with a HERMES (or H2SVC) cache and answer questions about it; `run(...)` does the same from Python and returns the
+records `--json` prints.
 
     hermes --model PATH --video FILE --question "What is the person holding?"
     hermes --model PATH --video FILE --policy h2svc --head-map map.json --ask-at 30s:"What just happened?" --json
@@ -281,8 +281,9 @@ def terminal_questions(source=None) -> Iterable[str]:
 def parser() -> argparse.ArgumentParser:
     p = command_parser(
         "hermes",
-        "Stream a video file through LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL with a HERMES KV cache (memory stays at "
-        "the budget however long the video) or an H2SVC one (per-head frame memories) and answer questions about it.",
+        "Stream a video file through LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL or Qwen3.5 with a HERMES KV cache (memory "
+        "stays at the budget however long the video) or an H2SVC one (per-head frame memories) and answer questions "
+        "about it.",
         ["Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes their time; "
          "with neither, questions are read from stdin, one a line, until an empty line or end of input.",
          "Output: answers on stdout (with --json one JSON record per chunk and per answer); progress on stderr. Exit "
@@ -292,7 +293,7 @@ def parser() -> argparse.ArgumentParser:
          "Example:\n  hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
          "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""],
         "local checkpoint folder (config.json, weights, tokenizer, processor configs) of a llava_onevision, "
-        "qwen2_5_vl or qwen3_vl model")
+        "qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe model")
     p.add_argument("--video", required=True, metavar="FILE", help="video file PyAV can decode (mp4, mkv, webm, ...)")
     p.add_argument("--question", action="append", default=[], metavar="TEXT",
                    help="question asked after the whole video (repeatable, asked in order)")

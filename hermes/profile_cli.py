@@ -16,15 +16,15 @@ from hermes_kernels.policies.h2svc.config import CLASS_NAMES
 def parser():
     p = command_parser(
         "hermes-profile",
-        "Profile the attention heads of a LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL checkpoint on sample videos (eager "
-        "attention, docs/h2svc.md §2) and write the H2SVC head map: every (layer, KV head) routed to the instant, "
-        "short or episodic memory.",
+        "Profile the attention heads of a LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL or Qwen3.5 checkpoint on sample videos "
+        "(eager attention, docs/h2svc.md §2; a hybrid model's full-attention layers) and write the H2SVC head map: "
+        "every (layer, KV head) routed to the instant, short or episodic memory.",
         ["Output: the JSON head map at --out (model name and type, layers, KV heads, ratios, the class of every head, "
          "TAD_V2V / TAD_T2V / S per head, the clips used); a summary on stdout; progress on stderr. Exit status 0; 1 "
          "on an error (one line on stderr); 2 for a bad command line.",
          "Example:\n  hermes-profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
          "      --videos clips/*.mp4 --max-frames 64 --out llava-ov-7b.h2svc.json"],
-        "local checkpoint folder of a llava_onevision, qwen2_5_vl or qwen3_vl model")
+        "local checkpoint folder of a llava_onevision, qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe model")
     p.add_argument("--videos", required=True, nargs="+", metavar="FILE",
                    help="sample video files PyAV can decode (each one clip)")
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the head map (JSON)")

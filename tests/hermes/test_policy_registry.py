@@ -11,9 +11,14 @@ from hermes.policy import StreamPolicy, get_policy, policy_names, register_polic
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """The registry as it is (the built-in policies imported), restored after the test."""
-    for name in registry._BUILT_IN:
+    """The registry as it is (the built-in policies imported), restored after the test; so are the built-in modules
+    in sys.modules and on their packages, which a test importing them again replaces."""
+    for name, module_name in registry._BUILT_IN.items():
         get_policy(name)
+        module = sys.modules[module_name]
+        package, _, attribute = module_name.rpartition(".")
+        monkeypatch.setitem(sys.modules, module_name, module)
+        monkeypatch.setattr(sys.modules[package], attribute, module)
     monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
     return registry._REGISTERED
 
@@ -70,3 +75,21 @@ def test_an_unknown_name_lists_the_known_ones(fresh):
     with pytest.raises(ValueError, match=r"policy: expected one of \[.*'h2svc', 'hermes', .*'listed'.*\], got 'nope'"):
         get_policy("nope")
     assert set(policy_names()) >= {"h2svc", "hermes", "listed"} and "nope" not in fresh
+
+
+def test_a_built_in_policy_is_imported_on_its_first_lookup(fresh, monkeypatch):
+    """Nothing imports the built-in policies' modules but the first lookup of their name."""
+    for name in ("hermes", "h2svc"):
+        fresh.pop(name, None)
+        monkeypatch.delitem(sys.modules, registry._BUILT_IN[name])  # as if never imported
+        built_in = get_policy(name)
+        assert built_in.name == name and built_in.__module__ == registry._BUILT_IN[name] and fresh[name] is built_in
+        assert registry._BUILT_IN[name] in sys.modules
+
+
+@pytest.mark.parametrize("name", ["", 5, None], ids=["empty", "an-int", "None"])
+def test_a_policy_class_without_a_usable_name_is_refused(name, fresh):
+    before = dict(fresh)
+    with pytest.raises(ValueError, match="needs a class attribute `name` \\(a non-empty string\\)"):
+        register_policy(type("Unnamed", (StreamPolicy,), {"name": name}))
+    assert fresh == before

@@ -69,3 +69,23 @@ def dataclasses_equal_but(a, b, *fields) -> bool:
 def test_bad_fields_are_refused_naming_the_field(field, value, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ModelGeometry(**{**GOOD, field: value})
+
+
+def test_rope_theta_must_exceed_one():
+    """theta = 1 turns every pair by the same angle (all inverse frequencies 1): refused; any base above 1 is kept."""
+    with pytest.raises(ValueError, match="^rope_theta: expected a RoPE base > 1, got 1$"):
+        ModelGeometry(**{**GOOD, "rope_theta": 1})
+    assert ModelGeometry(**{**GOOD, "rope_theta": 1.5}).rope_theta == 1.5
+
+
+def test_inv_freq_is_made_on_the_device_asked_for():
+    """The meta device stands in for CUDA on a machine without one."""
+    got = ModelGeometry(**GOOD).inv_freq("meta")
+    assert got.device.type == "meta" and got.dtype == torch.float32 and got.shape == (16,)
+
+
+@pytest.mark.parametrize("pairs", [12, 15])
+def test_a_partial_1d_width_near_the_whole_head_scales_with_it(pairs):
+    """Partial 1D rotary of 12 or 15 of 16 pairs is still partial at twice the head dim."""
+    geometry = ModelGeometry(**GOOD, rotary=RotaryLayout.one_d(pairs))
+    assert geometry.with_head_dim(64).rotary == RotaryLayout.one_d(2 * pairs)

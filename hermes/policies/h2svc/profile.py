@@ -236,8 +236,8 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
                   short_ratio: float = 0.4, max_frames: int | None = None, answer_tokens: int = 0,
                   system_prompt: str | None = None, query_block: int | None = None,
                   progress: bool = True) -> HeadProfile:
-    """Profile the heads of a loaded LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL model on sample clips and route them
-    (docs/h2svc.md §2; the clip layout, the streamed reduction and the text queries:
+    """Profile the heads of a loaded LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL or Qwen3.5 model on sample clips and route
+    them (docs/h2svc.md §2; the clip layout, the streamed reduction and the text queries:
     docs/cli.md#profiling-heads-for-h2svc).
 
     model, processor: as for HermesStream (`hermes.commands.load_model` gives both); the model in eval mode.
