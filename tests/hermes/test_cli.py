@@ -417,6 +417,17 @@ def test_help_lists_every_option(capsys):
     assert exit_info.value.code == 2
 
 
+def test_help_is_as_written(monkeypatch, capsys):
+    """The whole --help text at 100 columns. After changing it on purpose, write the new text to the file:
+    COLUMNS=100 python -m hermes --help > tests/hermes/help/hermes.txt"""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    with open(os.path.join(REPO, "tests", "hermes", "help", "hermes.txt")) as f:
+        assert capsys.readouterr().out == f.read()
+
+
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory, videos):
     folder = tmp_path_factory.mktemp("bad")
