@@ -56,6 +56,7 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
     and its processor, the video's first chunk (decoded at the size the processor keeps) and the --ask-at times
     against the video, the budget against the positions, the head map. UsageError for a setting that cannot work;
     FileNotFoundError or ValueError for an input that cannot be read."""
+    from hermes.linear_state import FULL, layer_kinds
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
     from hermes_kernels import HermesConfig
 
@@ -92,7 +93,7 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
         tokenizer = getattr(check.processor, "tokenizer", check.processor)
         prefix_len = len(tokenizer(check.family.prefix_text(None), add_special_tokens=False)["input_ids"])
         try:
-            HermesConfig.preset(check.family.preset_name, text.num_hidden_layers, budget, prefix_len,
+            HermesConfig.preset(check.family.preset_name, layer_kinds(check.config).count(FULL), budget, prefix_len,
                                 max_positions=text.max_position_embeddings)
         except ValueError as err:
             raise UsageError(f"cannot build the stream with budget={budget}, chunk_frames={chunk_frames}: "

@@ -89,3 +89,16 @@ def test_an_unhandled_layer_kind_is_refused_before_the_weights(checkpoints, vide
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "layer_types" in lines[0] and "'sliding_attention'" in lines[0], lines
+
+
+def test_the_checks_build_the_preset_over_the_full_attention_layers(checkpoints, video, monkeypatch):
+    """`check_run`'s budget check builds the HERMES preset the stream builds: over the 3 full-attention layers of
+    the 6 decoder layers (docs/qwen3_5.md), not over every decoder layer."""
+    from hermes_kernels import HermesConfig
+    seen = []
+    build = HermesConfig.preset.__func__
+    monkeypatch.setattr(HermesConfig, "preset", classmethod(
+        lambda cls, name, num_layers, *args, **kwargs: seen.append((name, num_layers)) or build(
+            cls, name, num_layers, *args, **kwargs)))
+    cli.check_run(checkpoints["qwen3_5"], video, chunk_frames=4, budget=20, device="cpu")
+    assert seen == [("qwen3_5", 3)]
