@@ -417,3 +417,64 @@ def test_a_chunk_lives_on_the_language_model_s_device(model_type):
         extra = chunk.extra(chunk.embeds.shape[1])
         assert extra["visual_pos_masks"].device.type == "meta"
         assert all(feature.device.type == "meta" for feature in extra["deepstack_visual_embeds"])
+
+
+def test_qwen_grid_and_patch_refusals(qwen):
+    """Qwen2.5-VL's grid_thw and patches: a grid as [3] or one row for every stream is taken; a grid of another
+    shape, a float grid, a zero or unmerged side and a zero step count are refused naming grid_thw; non-float
+    patches name video and the patch width the model wants."""
+    family = family_of(qwen)
+    video, grid = qwen_pixels(2, 2, torch.Generator().manual_seed(13))
+    both = family.encode_video(qwen, None, video, 2, grid_thw=grid)
+    for same in (grid[0], grid[:1]):
+        assert torch.equal(family.encode_video(qwen, None, video, 2, grid_thw=same).embeds, both.embeds)
+    shape = r"^grid_thw: expected int \[3\] or \[B=2, 3\], got "
+    for bad, message in (([[1, 8]], shape + r"\(1, 2\)"), ([[[1, 8, 8]] * 3], shape + r"\(1, 3, 3\)"),
+                         ([[1, 8, 8]] * 3, shape + r"\(3, 3\)"), (grid.float(), shape + r"\(2, 3\)")):
+        with pytest.raises(ValueError, match=message):
+            family.encode_video(qwen, None, video, 2, grid_thw=torch.tensor(bad) if isinstance(bad, list) else bad)
+    sides = r"^grid_thw: expected t >= 1 and h, w positive multiples of spatial_merge_size=2, got "
+    for bad in ([0, 8, 8], [1, 0, 8], [1, 8, 0], [1, 7, 8], [1, 8, 7], [1, 1, 8]):
+        with pytest.raises(ValueError, match=sides + re.escape(str(bad))):
+            family.encode_video(qwen, None, video, 2, grid_thw=torch.tensor(bad))
+    with pytest.raises(TypeError, match=r"^video: expected floating pixel values \[B \* t \* h \* w, 24\] with "
+                                        r"grid_thw \(or raw frames"):
+        family.encode_video(qwen, None, video.long(), 2, grid_thw=grid)
+
+
+def test_qwen_patch_width_follows_the_model_s_patch_size():
+    """A tower of patch 3: rows of 3 channels x 2 frames x 3 x 3 pixels (54) are taken, rows of another width are
+    refused naming the width."""
+    from types import SimpleNamespace
+    vision = SimpleNamespace(in_channels=3, temporal_patch_size=2, patch_size=3, spatial_merge_size=2)
+    model = SimpleNamespace(config=SimpleNamespace(vision_config=vision))
+    family = family_of(tiny_qwen2_5_vl(num_layers=1))
+    video, grid = family._check_patches(model, torch.zeros(16, 54), torch.tensor([1, 4, 4]), 1)
+    assert grid == (1, 4, 4) and video.shape == (16, 54)
+    with pytest.raises(ValueError, match=r"^video: expected flattened patches \[B\*t\*h\*w=16, 54\]"):
+        family._check_patches(model, torch.zeros(16, 36), torch.tensor([1, 4, 4]), 1)
+
+
+def test_qwen3_vl_timestamps_of_other_types(qwen3):
+    """Seconds as a tensor are taken; a string or a bool is no time (refused naming timestamps); extra arguments
+    are refused naming append_video."""
+    from hermes.models.qwen3_vl import Qwen3_VL, timestamp_text
+    for bad in ("1", True):
+        with pytest.raises(ValueError, match=r"^timestamps: expected seconds in \[0, 100000\), got "):
+            timestamp_text(bad)
+    family = Qwen3_VL()
+    video, grid = qwen_pixels(1, 2, torch.Generator().manual_seed(14))
+    tokenizer = tiny_tokenizer(digits=True)
+    listed = family.encode_video(qwen3, tokenizer, video, 1, grid_thw=grid, timestamps=[0.5])
+    tensor = family.encode_video(qwen3, tokenizer, video, 1, grid_thw=grid, timestamps=torch.tensor([0.5]))
+    assert torch.equal(listed.embeds, tensor.embeds)
+    with pytest.raises(TypeError, match=r"^append_video: unexpected arguments for Qwen3-VL: \['fps'\]"):
+        family.encode_video(qwen3, tokenizer, video, 1, grid_thw=grid, timestamps=[0.5], fps=1)
+
+
+def test_qwen3_vl_prepared_frames_start_at_zero_seconds_by_default():
+    """Two 16 x 16 frames at 2 fps with no start given: one temporal step at (0 + 0.5) / 2 = 0.25 s (its frames
+    capped to 12 x 12 pixels, the tiny checkpoint's 12 tokens: a 6 x 6 patch grid)."""
+    from hermes.models.qwen3_vl import Qwen3_VL
+    prepared = Qwen3_VL().prepare_frames(qwen3_processor(), frames_of(2), 2.0)
+    assert prepared["timestamps"] == [0.25] and prepared["grid_thw"].tolist() == [[1, 6, 6]]
