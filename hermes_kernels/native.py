@@ -76,7 +76,8 @@ def _no_compiler() -> str:
 def _compiler_version(compiler: str) -> str:
     """The compiler's `--version` output (or how asking failed): part of the cache key, read once per process."""
     try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace",
+                              timeout=60)  # a name or message that is not UTF-8 is replaced, never raised
     except (OSError, subprocess.SubprocessError) as exc:
         return f"--version failed: {exc}"
     return f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
@@ -244,7 +245,7 @@ def _compile(name: str, compiler: str, source: Path, keys: list[str], folder: Pa
             compiles += 1
             compiler_runs += 1
             done = subprocess.run([compiler, *_FLAGS, *arch, str(source), "-o", output],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, errors="replace")
         except OSError as exc:
             _unlink(output if final is not None else None)
             _record(Build(name, "failed", None, key, final is not None, compiles))

@@ -108,3 +108,107 @@ def test_no_folder_to_build_in(cache, tmp_path, monkeypatch):  # noqa: F811
 def needs_a_compiler():
     if native._compiler() is None:
         pytest.skip("no C compiler found ($CC, cc, gcc, clang)")
+
+
+def keys_of(name: str, compiler: str) -> list[str]:
+    source = (native._SOURCE_DIR / f"{name}.c").read_bytes()
+    return [native._key(name, source, compiler, arch) for arch in native._ARCHES]
+
+
+def script(path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_compiler_that_always_fails_leaves_nothing_and_says_its_last_words(cache, tmp_path, monkeypatch):
+    """Every flag fails: no library, the record names the last key tried, every flag counted, the cache folder
+    empty (the temporary outputs removed), and the reason ends with the compiler's last 500 characters of
+    error output, as text."""
+    words = "x" * 600 + "0123456789"
+    monkeypatch.setenv("CC", script(tmp_path / "cc-fails", f'echo "{words}" >&2; exit 1'))
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    compiler = native._compiler()
+    assert native.unavailable_reason("stce_cpu") == f"{compiler} failed on stce_cpu.c: {words[-500:]}"
+    keys = keys_of("stce_cpu", compiler)
+    assert native.last_build == native.Build("stce_cpu", "failed", None, keys[-1], True, len(native._ARCHES))
+    assert os.listdir(cache) == []
+
+
+def test_a_compiler_that_cannot_run_is_reported_with_the_first_key(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", script(tmp_path / "cc", "exit 0"))
+
+    def cannot_run(*args, **kwargs):
+        raise OSError(8, "Exec format error")
+    monkeypatch.setattr(native.subprocess, "run", cannot_run)
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    compiler = native._compiler()
+    assert native.unavailable_reason("stce_cpu") == f"running {compiler} failed: [Errno 8] Exec format error"
+    key = keys_of("stce_cpu", compiler)[0]
+    assert native.last_build == native.Build("stce_cpu", "failed", None, key, True, 1)
+    assert os.listdir(cache) == []
+
+
+def test_no_folder_to_build_in_is_recorded_with_the_first_key(cache, tmp_path, monkeypatch):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
+    monkeypatch.setattr(native.tempfile, "mkdtemp", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    key = keys_of("stce_cpu", native._compiler())[0]
+    assert native.last_build == native.Build("stce_cpu", "failed", None, key, False, 0)
+
+
+def test_a_built_library_that_does_not_load_stays_in_the_cache_and_is_named(cache, monkeypatch):
+    """The build renamed into the cache, then loading it fails: the record names the cached file, which stays
+    (the next process tries it, and rebuilds it when it does not load)."""
+    monkeypatch.setattr(native.ctypes, "CDLL", lambda path: (_ for _ in ()).throw(OSError(f"{path}: no")))
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    key = keys_of("stce_cpu", native._compiler())[0]
+    final = cache / f"stce_cpu-{key}.so"
+    assert native.unavailable_reason("stce_cpu") == f"loading the built {final.name} failed: {final}: no"
+    assert native.last_build == native.Build("stce_cpu", "failed", str(final), key, True, 1)
+    assert os.listdir(cache) == [final.name]
+
+
+def test_a_library_that_cannot_be_renamed_is_loaded_under_its_temporary_name(cache, monkeypatch):
+    """The rename into the cache fails: the library is loaded from its unique temporary file, which is then
+    removed (it stays mapped), and the record names it."""
+    def no_rename(source, target):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(native.os, "replace", no_rename)
+    build = load("stce_cpu")
+    key = keys_of("stce_cpu", native._compiler())[0]
+    assert (build.name, build.action, build.key, build.in_cache, build.compiles) == ("stce_cpu", "built", key, True, 1)
+    assert build.path.startswith(str(cache / f"stce_cpu-{key}.")) and build.path.endswith(".tmp")
+    assert os.listdir(cache) == []
+
+
+def test_a_cache_folder_under_missing_parents_is_created(cache, tmp_path, monkeypatch):
+    nested = tmp_path / "a" / "b" / "cache"
+    monkeypatch.setenv(native.CACHE_ENV, str(nested))
+    build = load("stce_cpu")
+    assert build.in_cache and build.path == str(nested / f"stce_cpu-{build.key}.so") and build.name == "stce_cpu"
+
+
+def test_a_compiler_path_that_is_not_utf8_still_keys_the_cache(cache, tmp_path, monkeypatch):
+    """A compiler found under a file name that is not UTF-8 (the environment hands it over with surrogate escapes):
+    the key is still made and the library built."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    odd = os.fsdecode(os.fsencode(str(folder)) + b"/cc-\xff")
+    os.symlink(native._compiler(), odd)
+    monkeypatch.setenv("CC", odd)
+    build = load("stce_cpu")
+    assert build.action == "built" and build.key == keys_of("stce_cpu", odd)[0]
+
+
+def test_compiler_errors_that_are_not_utf8_are_reported(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", script(tmp_path / "cc-latin1", r"printf 'erreur \351\n' >&2; exit 1"))
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    assert native.unavailable_reason("stce_cpu").endswith("failed on stce_cpu.c: erreur \ufffd")
