@@ -121,7 +121,7 @@ def script(path, body: str) -> str:
     return str(path)
 
 
-def test_a_compiler_that_always_fails_leaves_nothing_and_says_its_last_words(cache, tmp_path, monkeypatch):
+def test_a_compiler_that_always_fails_leaves_nothing_and_says_its_last_words(cache, tmp_path, monkeypatch):  # noqa: F811
     """Every flag fails: no library, the record names the last key tried, every flag counted, the cache folder
     empty (the temporary outputs removed), and the reason ends with the compiler's last 500 characters of
     error output, as text."""
@@ -136,7 +136,7 @@ def test_a_compiler_that_always_fails_leaves_nothing_and_says_its_last_words(cac
     assert os.listdir(cache) == []
 
 
-def test_a_compiler_that_cannot_run_is_reported_with_the_first_key(cache, tmp_path, monkeypatch):
+def test_a_compiler_that_cannot_run_is_reported_with_the_first_key(cache, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("CC", script(tmp_path / "cc", "exit 0"))
 
     def cannot_run(*args, **kwargs):
@@ -151,7 +151,7 @@ def test_a_compiler_that_cannot_run_is_reported_with_the_first_key(cache, tmp_pa
     assert os.listdir(cache) == []
 
 
-def test_no_folder_to_build_in_is_recorded_with_the_first_key(cache, tmp_path, monkeypatch):
+def test_no_folder_to_build_in_is_recorded_with_the_first_key(cache, tmp_path, monkeypatch):  # noqa: F811
     blocker = tmp_path / "a file"
     blocker.write_text("")
     monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
@@ -162,7 +162,7 @@ def test_no_folder_to_build_in_is_recorded_with_the_first_key(cache, tmp_path, m
     assert native.last_build == native.Build("stce_cpu", "failed", None, key, False, 0)
 
 
-def test_a_built_library_that_does_not_load_stays_in_the_cache_and_is_named(cache, monkeypatch):
+def test_a_built_library_that_does_not_load_stays_in_the_cache_and_is_named(cache, monkeypatch):  # noqa: F811
     """The build renamed into the cache, then loading it fails: the record names the cached file, which stays
     (the next process tries it, and rebuilds it when it does not load)."""
     monkeypatch.setattr(native.ctypes, "CDLL", lambda path: (_ for _ in ()).throw(OSError(f"{path}: no")))
@@ -175,7 +175,7 @@ def test_a_built_library_that_does_not_load_stays_in_the_cache_and_is_named(cach
     assert os.listdir(cache) == [final.name]
 
 
-def test_a_library_that_cannot_be_renamed_is_loaded_under_its_temporary_name(cache, monkeypatch):
+def test_a_library_that_cannot_be_renamed_is_loaded_under_its_temporary_name(cache, monkeypatch):  # noqa: F811
     """The rename into the cache fails: the library is loaded from its unique temporary file, which is then
     removed (it stays mapped), and the record names it."""
     def no_rename(source, target):
@@ -188,14 +188,14 @@ def test_a_library_that_cannot_be_renamed_is_loaded_under_its_temporary_name(cac
     assert os.listdir(cache) == []
 
 
-def test_a_cache_folder_under_missing_parents_is_created(cache, tmp_path, monkeypatch):
+def test_a_cache_folder_under_missing_parents_is_created(cache, tmp_path, monkeypatch):  # noqa: F811
     nested = tmp_path / "a" / "b" / "cache"
     monkeypatch.setenv(native.CACHE_ENV, str(nested))
     build = load("stce_cpu")
     assert build.in_cache and build.path == str(nested / f"stce_cpu-{build.key}.so") and build.name == "stce_cpu"
 
 
-def test_a_compiler_path_that_is_not_utf8_still_keys_the_cache(cache, tmp_path, monkeypatch):
+def test_a_compiler_path_that_is_not_utf8_still_keys_the_cache(cache, tmp_path, monkeypatch):  # noqa: F811
     """A compiler found under a file name that is not UTF-8 (the environment hands it over with surrogate escapes):
     the key is still made and the library built."""
     folder = tmp_path / "bin"
@@ -207,8 +207,51 @@ def test_a_compiler_path_that_is_not_utf8_still_keys_the_cache(cache, tmp_path, 
     assert build.action == "built" and build.key == keys_of("stce_cpu", odd)[0]
 
 
-def test_compiler_errors_that_are_not_utf8_are_reported(cache, tmp_path, monkeypatch):
+def test_compiler_errors_that_are_not_utf8_are_reported(cache, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("CC", script(tmp_path / "cc-latin1", r"printf 'erreur \351\n' >&2; exit 1"))
     native._build.cache_clear()
     assert native.library("stce_cpu") is None
     assert native.unavailable_reason("stce_cpu").endswith("failed on stce_cpu.c: erreur \ufffd")
+
+
+@pytest.mark.parametrize("present,chosen", [(("cc", "gcc", "clang"), "cc"), (("gcc", "clang"), "gcc"),
+                                            (("clang",), "clang"), (("gcc",), "gcc")])
+def test_without_cc_the_first_of_cc_gcc_clang_on_the_path(tmp_path, monkeypatch, present, chosen):
+    monkeypatch.delenv("CC", raising=False)
+    for name in present:
+        script(tmp_path / name, "exit 0")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert native._compiler() == str(tmp_path / chosen)
+
+
+def test_no_folder_after_a_failed_flag_is_recorded_with_the_second_key(cache, tmp_path, monkeypatch):  # noqa: F811
+    """The first flag fails in the cache folder, then the folder refuses the second try's file and no temporary
+    folder can be made: the record names the second key, one compilation, not in the cache."""
+    real = native._compiler()
+    monkeypatch.setenv("CC", script(tmp_path / "cc-no-native",
+                                    f'case "$*" in *-march=native*) exit 1;; esac\nexec {real} "$@"'))
+    mkstemp, calls = native.tempfile.mkstemp, []
+
+    def second_refused(*args, **kwargs):
+        calls.append(kwargs.get("dir"))
+        if len(calls) > 1:
+            raise PermissionError(13, "Permission denied")
+        return mkstemp(*args, **kwargs)
+    monkeypatch.setattr(native.tempfile, "mkstemp", second_refused)
+    monkeypatch.setattr(native.tempfile, "mkdtemp", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    keys = keys_of("stce_cpu", native._compiler())
+    build = native.last_build
+    assert build == native.Build("stce_cpu", "failed", None, keys[1], False, 1) and build.in_cache is False
+    assert os.listdir(cache) == []
+
+
+def test_a_temporary_library_that_neither_renames_nor_loads_is_removed(cache, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(native.os, "replace", lambda source, target: (_ for _ in ()).throw(OSError(18, "no")))
+    monkeypatch.setattr(native.ctypes, "CDLL", lambda path: (_ for _ in ()).throw(OSError(f"{path}: no")))
+    native._build.cache_clear()
+    assert native.library("stce_cpu") is None
+    build = native.last_build
+    assert build.action == "failed" and build.path.endswith(".tmp") and build.in_cache
+    assert os.listdir(cache) == []
