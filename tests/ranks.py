@@ -10,6 +10,7 @@ processes dominates the cost, so a test module groups its checks into one spawne
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 
@@ -40,4 +41,7 @@ def _rank_main(rank: int, world: int, port: int, timeout_s: int, body, args) -> 
     try:
         body(rank, world, *args)
     finally:
+        # objects that hold the group in a reference cycle (an instance accelerated with group=) are freed while
+        # it is alive: freed at interpreter exit instead, gloo's destructor aborted the process now and then
+        gc.collect()
         dist.destroy_process_group()
