@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from hermes.linear_state import LinearLayout, LinearStates
+from hermes.linear_state import RECURRENT, LinearLayout, LinearStates
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.rope import RotaryLayout
 
@@ -228,7 +228,6 @@ class StreamCacheBase(Cache):
         full = range(num_layers) if linear is None else linear.full_layers
         self._cache_layer = {decoder: layer for layer, decoder in enumerate(full)}
         self.linear_states = None if linear is None else LinearStates(linear, batch_size, self.allocate)
-        self._decoder_layers = len(self._cache_layer) if linear is None else len(linear.kinds)
         views = [_LayerView(self, layer, decoder) for decoder, layer in self._cache_layer.items()]
         if linear is not None:
             views = [views[self._cache_layer[i]] if kind != "linear_attention" else _LinearView(self, i)
@@ -416,15 +415,15 @@ class StreamCacheBase(Cache):
         if layer is None:
             raise RuntimeError(f"{type(self).__name__}.update: decoder layer {layer_idx} holds no keys in this cache")
         states = self.linear_states
-        if states is not None and layer_idx == 0 and self._context is None:
-            states.forward_begins()
+        if states is not None:
+            states.arrive(layer_idx, RECURRENT)
         forward = self._forward_at(layer, key_states)
         keys, values = self.write(forward, layer, key_states, value_states)
         _HANDOFF.last = (weakref.ref(self), layer, keys)
         if layer == self.num_layers - 1:
             self.counters = forward.after
-        if states is not None and layer_idx == self._decoder_layers - 1 and self._context is None:
-            states.forward_ends()
+        if states is not None:
+            states.leave(layer_idx)
         return keys, values
 
     def _forward_at(self, layer_idx: int, key_states: torch.Tensor) -> Forward:
@@ -466,20 +465,17 @@ class StreamCacheBase(Cache):
         return rel, count if keep is None else min(keep, count), pads
 
     # ---- a hybrid model's linear-attention layers (hermes.linear_state) ---------------------------------------
-    def _linear(self, layer_idx: int, first_call: bool = False) -> LinearStates:
-        """The linear states, for decoder layer `layer_idx`; `first_call`: the layer's first call of a forward
-        (its `get_conv_state`), where a forward of decoder layer 0 outside any context begins."""
+    def _linear(self, layer_idx: int) -> LinearStates:
+        """The linear states, for decoder layer `layer_idx` (ValueError unless it is a linear-attention layer)."""
         states = self.linear_states
         if states is None or layer_idx not in states.slot_of:
             raise ValueError(f"{type(self).__name__}: decoder layer {layer_idx} is not a linear-attention layer")
         self._check_defined()
-        if first_call and layer_idx == 0 and self._context is None:
-            states.forward_begins()
         return states
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """transformers' read of a linear-attention layer's convolution state [B, C, K] (None: no state yet)."""
-        return self._linear(layer_idx, first_call=True).get_conv_state(layer_idx)
+        return self._linear(layer_idx).get_conv_state(layer_idx)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           **kwargs) -> torch.Tensor:
@@ -493,11 +489,7 @@ class StreamCacheBase(Cache):
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
         """transformers' write of a linear-attention layer's recurrent state (its last call in a forward)."""
-        states = self._linear(layer_idx)
-        out = states.update_recurrent_state(recurrent_states, layer_idx)
-        if layer_idx == self._decoder_layers - 1 and self._context is None:
-            states.forward_ends()
-        return out
+        return self._linear(layer_idx).update_recurrent_state(recurrent_states, layer_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         """Whether the linear-attention layers hold a state (the committed one)."""

@@ -88,6 +88,12 @@ class _Live:
     done: bool = False
 
 
+# The calls of one layer in one forward, in the order their data imposes: reads of the states (any number, in any
+# order), the convolution's write (it reads the convolution input), the recurrent state's write (it reads the
+# convolution's output). A full-attention layer's one `update` counts as its last write.
+READ, CONV, RECURRENT = 1, 2, 3
+
+
 class LinearStates:
     """The linear-attention layers' states of B streams, two copies each: the committed state (what the stream
     holds) and a working copy.
@@ -95,16 +101,21 @@ class LinearStates:
     A storing forward context works on the working copy (the committed state copied in at its first touch of a
     layer) and commits at a successful end by swapping the two, so the committed state before it stays in the
     other copy: `undo()` puts it back until the next storing context. A read-only context works on clones and
-    drops them. A context that raises commits nothing. A forward run outside any context (the cache used as a plain
-    transformers cache) is a storing context of its own: it begins at decoder layer 0 and commits once the last
-    decoder layer has run (`forward_begins`, `forward_ends`). The model's layers see transformers' interface:
+    drops them. A context that raises commits nothing. The model's layers see transformers' interface:
     `get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state` (decoder indices).
+
+    A forward run outside any context (the cache used as a plain transformers cache) is a storing context of its
+    own. It opens at its first call of any layer, whichever method that is, and commits once the last decoder
+    layer has written its last state (`arrive`, `leave`). A call that cannot belong to the open forward (a layer
+    earlier than one already reached, or a layer called again after a write the order above puts later) starts a
+    new one: the forward that left it open failed, and what it wrote is dropped.
     """
 
     def __init__(self, layout: LinearLayout, batch_size: int, allocate):
         """layout: the model's `LinearLayout`; allocate: `(shape, dtype, device) -> tensor`, the owning cache's
         `allocate` (so its `buffers()`, `nbytes()` and `data_ptrs()` count the states)."""
         self.slot_of = {layer: i for i, layer in enumerate(layout.linear_layers)}
+        self.last_layer = len(layout.kinds) - 1
         self.conv = [allocate((2, batch_size, *shape), dtype, device)
                      for shape, dtype, device in zip(layout.conv, layout.dtypes, layout.devices)]
         self.recurrent = [allocate((2, batch_size, *shape), torch.float32, device)
@@ -119,32 +130,47 @@ class LinearStates:
         self._undo: bool | None = None  # has_state before the last commit, while that commit can be undone
         self._mode: str | None = None
         self._implicit = False  # the running context is one forward outside forward_context
+        self._reached: dict[int, int] = {}  # in an implicit context: decoder layer -> the latest phase it reached
         self._live: dict[int, _Live] = {}
 
     # ---- forward contexts ---------------------------------------------------------------------------------
     def begin(self, store: bool) -> None:
-        """A forward context starts: `store` (its forwards carry the stream on) or read-only."""
+        """A forward context starts: `store` (its forwards carry the stream on) or read-only. A context-free
+        forward that a failure left open is dropped first."""
+        if self._mode is not None:
+            self.end(False)
         self._mode = "store" if store else "read"
-        self._implicit = False
-        self._live = {}
 
-    def forward_begins(self) -> None:
-        """Decoder layer 0 of a forward outside any context: a storing context of its own begins (one a failed
-        forward left open is dropped)."""
-        if self._mode is None or self._implicit:
+    def arrive(self, layer: int, phase: int) -> None:
+        """Decoder layer `layer` is called in `phase` (READ, CONV or RECURRENT; a full-attention layer's `update`
+        is RECURRENT). Inside a context nothing happens; outside one, the call opens a context-free forward, or
+        carries on the open one, or (a call the open one cannot make) drops it and opens a new one."""
+        if self._mode is not None and not self._implicit:
+            return
+        if self._implicit and self._starts_anew(layer, phase):
+            self.end(False)
+        if self._mode is None:
             self.begin(store=True)
             self._implicit = True
+        self._reached[layer] = max(phase, self._reached.get(layer, 0))
 
-    def forward_ends(self) -> None:
-        """The last decoder layer of a forward outside any context has run: it commits."""
-        if self._implicit:
+    def _starts_anew(self, layer: int, phase: int) -> bool:
+        """Whether a call of `layer` in `phase` cannot belong to the open context-free forward: a later layer was
+        reached already, or this layer wrote what comes after this call (or wrote it already)."""
+        reached = self._reached.get(layer, 0)
+        return any(other > layer for other in self._reached) or phase < reached or (phase == reached != READ)
+
+    def leave(self, layer: int) -> None:
+        """Decoder layer `layer` wrote its last state of a forward: the last decoder layer ends a context-free
+        forward, which commits."""
+        if self._implicit and layer == self.last_layer:
             self.end(True)
 
     def end(self, success: bool) -> None:
         """The context ends: a successful storing context that ran the layers commits (the working copy becomes
         the committed state, the previous one kept for `undo`); anything else is dropped."""
         mode, live = self._mode, self._live
-        self._mode, self._live, self._implicit = None, {}, False
+        self._mode, self._live, self._implicit, self._reached = None, {}, False, {}
         if mode != "store" or not live:
             return
         if not success or len(live) != len(self.slot_of) or not all(state.done for state in live.values()):
@@ -194,10 +220,12 @@ class LinearStates:
 
     # ---- what the model's linear-attention layers call ------------------------------------------------------
     def get_conv_state(self, layer: int) -> torch.Tensor | None:
+        self.arrive(layer, READ)
         live = self._open(layer)
         return None if live.fresh else live.conv
 
     def get_recurrent_state(self, layer: int) -> torch.Tensor | None:
+        self.arrive(layer, READ)
         live = self._open(layer)
         return None if live.fresh else live.recurrent
 
@@ -206,6 +234,7 @@ class LinearStates:
         """Keep the last K columns of [state, conv_states [B, C, T]] and return what the convolution reads: the
         previous K columns and the T new ones (just the new ones, left-padded to K, without a state), as
         transformers' `LinearAttentionLayer` does."""
+        self.arrive(layer, CONV)
         live = self._open(layer)
         kernel = live.conv.shape[-1]
         if conv_kernel_size is not None and conv_kernel_size != kernel:
@@ -220,9 +249,12 @@ class LinearStates:
         return full
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer: int) -> torch.Tensor:
+        """Store the layer's new recurrent state [B, Hv, Dk, Dv] (its last call in a forward)."""
+        self.arrive(layer, RECURRENT)
         live = self._open(layer)
         live.recurrent.copy_(recurrent_states)
         live.fresh, live.done = False, True
+        self.leave(layer)
         return live.recurrent
 
     def contents(self) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from hermes.linear_state import FULL, LINEAR, LinearLayout, LinearStates, layer_kinds
+from hermes.linear_state import FULL, LINEAR, RECURRENT, LinearLayout, LinearStates, layer_kinds
 from scaffolding.models import tiny_qwen3_5
 
 
@@ -164,28 +164,80 @@ def test_a_read_only_context_moves_nothing():
         assert committed(states) == 1.0 and states.epoch == 1 and states.can_undo
 
 
-def test_a_forward_outside_any_context_commits_at_its_end():
+def run_layer_in_order(states: LinearStates, layer: int, value: float, order: str) -> None:
+    """One linear layer's calls in one forward, its two reads in `order` ("conv first" or "recurrent first": which
+    one transformers makes first changed between releases), then its two writes in the order their data imposes."""
+    reads = [states.get_conv_state, states.get_recurrent_state]
+    for read in reads if order == "conv first" else reads[::-1]:
+        read(layer)
+    states.update_conv_state(torch.full((1, 6, 5), value), layer, conv_kernel_size=4)
+    states.update_recurrent_state(torch.full((1, 2, 2, 2), value), layer)
+
+
+def run_forward(states: LinearStates, value: float, order: str, layers=(0, 1, 2)) -> None:
+    """A forward outside any context over `layers` of LAYOUT (linear, full, linear): the full layer's one call is
+    the cache's `update`, which brackets its write with `arrive` / `leave`."""
+    for layer in layers:
+        if layer == 1:
+            states.arrive(1, RECURRENT)
+            states.leave(1)
+        else:
+            run_layer_in_order(states, layer, value, order)
+
+
+@pytest.mark.parametrize("order", ["conv first", "recurrent first"])
+def test_a_forward_outside_any_context_opens_at_any_first_call_and_commits_at_its_end(order):
+    """A forward run outside any context is a storing context of its own, opened by its first call of a layer
+    whichever method that is, and committed once the last decoder layer wrote its recurrent state."""
     states = new_states()
-    with pytest.raises(RuntimeError, match="outside a forward context"):
-        states.get_conv_state(0)
-    states.forward_begins()
-    run_layers(states, 4.0)
-    states.forward_ends()
-    assert committed(states) == 4.0 and states.can_undo
-    states.forward_begins()
-    run_layers(states, 6.0, layers=(0,))  # a forward that failed after its first layer
-    states.forward_begins()  # the next one drops it, and starts again from the committed state
-    assert torch.equal(run_layers(states, 7.0)[0][0], torch.full((1, 6, 4), 4.0))
-    states.forward_ends()
-    assert committed(states) == 7.0 and states.can_undo
+    run_forward(states, 4.0, order, layers=(0, 1))
+    assert committed(states) is None  # the last layer has not run
+    run_forward(states, 4.0, order, layers=(2,))
+    assert committed(states) == 4.0 and states.epoch == 1 and states.can_undo
+    run_forward(states, 6.0, order)
+    assert committed(states) == 6.0 and states.epoch == 2
     states.undo()
     assert committed(states) == 4.0
     states.reset()
     assert committed(states) is None and states.epoch == 0 and not states.can_undo
-    states.forward_begins()
-    assert run_layers(states, 8.0)[0] == (None, None)
-    states.forward_ends()
+    run_forward(states, 8.0, order)
     assert committed(states) == 8.0
+
+
+@pytest.mark.parametrize("order", ["conv first", "recurrent first"])
+@pytest.mark.parametrize("failed_after", ["a read of layer 0", "the convolution of layer 0", "layer 0",
+                                          "the full layer"])
+def test_a_forward_that_failed_is_dropped_by_the_next_one(order, failed_after):
+    """A forward outside any context that failed midway leaves its context open; the next forward's first call
+    cannot belong to it (an earlier layer, or a layer called again after its write), so it drops what the failed
+    one wrote and starts again from the committed state, whichever read it makes first."""
+    states = new_states()
+    run_forward(states, 4.0, order)
+    if failed_after == "a read of layer 0":
+        states.get_recurrent_state(0)
+    elif failed_after == "the convolution of layer 0":
+        states.get_conv_state(0)
+        states.update_conv_state(torch.full((1, 6, 5), 6.0), 0, conv_kernel_size=4)
+    else:
+        run_forward(states, 6.0, order, layers=(0,) if failed_after == "layer 0" else (0, 1))
+    first = (states.get_conv_state if order == "conv first" else states.get_recurrent_state)(0)
+    assert torch.equal(first, torch.full_like(first, 4.0))  # the committed state, not the failed forward's
+    run_forward(states, 7.0, order)
+    assert committed(states) == 7.0 and states.epoch == 2
+    states.undo()
+    assert committed(states) == 4.0
+
+
+def test_a_context_drops_a_forward_that_failed_outside_one():
+    """A forward context that begins while a failed context-free forward is open drops it: what it wrote is not
+    committed, and the last commit can no longer be undone (the failed forward wrote its copy)."""
+    states = new_states()
+    run_forward(states, 4.0, "conv first")
+    run_forward(states, 6.0, "conv first", layers=(0,))
+    states.begin(store=False)
+    assert torch.equal(states.get_conv_state(0), torch.full((1, 6, 4), 4.0))
+    states.end(True)
+    assert committed(states) == 4.0 and not states.can_undo
 
 
 def test_forget_undo_and_a_kernel_mismatch():
@@ -208,8 +260,7 @@ def test_two_copies_and_forwards_of_one_context_follow_each_other():
     assert [tuple(t.shape) for t in states.conv + states.recurrent] == [(2, 3, 6, 4)] * 2 + [(2, 3, 2, 2, 2)] * 2
     states = new_states()
     states.begin(store=True)
-    run_layers(states, 1.0)
-    states.forward_ends()  # inside a context: not a context-free forward's end
+    run_layers(states, 1.0)  # the last layer's write inside a context is not a context-free forward's end
     assert committed(states) is None
     seen = run_layers(states, 2.0)
     assert torch.equal(seen[0][1], torch.ones(1, 2, 2, 2))

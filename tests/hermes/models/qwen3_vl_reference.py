@@ -48,3 +48,25 @@ def rope_index(model, inputs: dict) -> torch.Tensor:
     """int64 [3, B, S]: the model's own positions of the sequence (get_rope_index splits the grid per step)."""
     return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                       video_grid_thw=inputs["video_grid_thw"].clone())[0]
+
+
+def chunked_forward(model, tokenizer, chunks: list[dict], batch: int, cache) -> dict:
+    """The model's own forwards into `cache` with the stream's boundaries: the prefix alone, then one forward per
+    chunk (its tokens, its pixels, its slice of the whole sequence's get_rope_index positions). A hybrid model's
+    chunked linear attention then sums in the stream's order. Returns the whole sequence's `full_inputs`."""
+    whole = full_inputs(model, tokenizer, chunks, batch)
+    positions = rope_index(model, whole)
+    start = len(tokenizer(PREFIX, add_special_tokens=False)["input_ids"])
+    own_forward(model, {"input_ids": whole["input_ids"][:, :start], "position_ids": positions[:, :, :start]},
+                cache=cache, use_cache=True)
+    for count in range(1, len(chunks) + 1):
+        end = full_inputs(model, tokenizer, chunks[:count], batch)["input_ids"].shape[1]
+        alone = full_inputs(model, tokenizer, chunks[count - 1:count], batch)
+        own_forward(model, {"input_ids": whole["input_ids"][:, start:end],
+                            "mm_token_type_ids": whole["mm_token_type_ids"][:, start:end],
+                            "pixel_values_videos": alone["pixel_values_videos"],
+                            "video_grid_thw": alone["video_grid_thw"], "position_ids": positions[:, :, start:end]},
+                    cache=cache, use_cache=True)
+        start = end
+    assert start == whole["input_ids"].shape[1]
+    return whole

@@ -229,22 +229,20 @@ QWEN3_SIZES = [(16, 16), (9, 40), (31, 17), (48, 64), (70, 23), (100, 90), (21, 
     (64, 1000, 768, 3),       # three frames a temporal step: the share is 1000 // 3
 ])
 def test_qwen3_vl_frame_sizes_match_transformers_count(shortest, longest, max_tokens, temporal):
-    """The twin's clip-wide resize (a clip of one temporal step) and `kept_size` against transformers'
-    `Qwen3VLVideoProcessor.get_num_of_video_patches` (its own arithmetic, called on the settings alone: the class
-    itself needs torchvision), with the per-frame cap on."""
-    from types import SimpleNamespace
-
+    """The twin's clip-wide resize (a clip of one temporal step) and `kept_size` against transformers' own count,
+    `Qwen3VLVideoProcessor.get_num_of_video_patches`, on a real processor built from the same settings with the
+    per-frame cap on (building one and counting need no torchvision; only its resize does)."""
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     from hermes.models.qwen3_vl import Qwen3_VL
     config = dict(tiny_video_processor_config("qwen3_vl"), size={"shortest_edge": shortest, "longest_edge": longest},
                   max_video_tokens=max_tokens, temporal_patch_size=temporal)
     twin = Qwen3_VL().pil_video_processor(tiny_image_processor("qwen3_vl"), config)
-    settings = SimpleNamespace(size=config["size"], patch_size=2, merge_size=2, temporal_patch_size=temporal,
-                               cap_pixels_per_frame=True, max_video_tokens=max_tokens)
+    counter = Qwen3VLVideoProcessor(size=config["size"], patch_size=2, merge_size=2, temporal_patch_size=temporal,
+                                    cap_pixels_per_frame=True, max_video_tokens=max_tokens)
     processor = Processor(tokenizer=tiny_tokenizer(), video_processor=twin)
     for height, width in QWEN3_SIZES:
-        want = Qwen3VLVideoProcessor.get_num_of_video_patches(settings, temporal, height, width)
+        want = counter.get_num_of_video_patches(temporal, height, width)
         grid = twin(frames_of(temporal, height, width), cap_pixels_per_frame=True)["video_grid_thw"][0].tolist()
         kept = Qwen3_VL().kept_size(processor, height, width)
         assert grid[0] == 1 and grid[1] * grid[2] == want, (height, width)
@@ -478,3 +476,89 @@ def test_qwen3_vl_prepared_frames_start_at_zero_seconds_by_default():
     from hermes.models.qwen3_vl import Qwen3_VL
     prepared = Qwen3_VL().prepare_frames(qwen3_processor(), frames_of(2), 2.0)
     assert prepared["timestamps"] == [0.25] and prepared["grid_thw"].tolist() == [[1, 6, 6]]
+
+
+def family_processor(name):
+    """(family, processor with the tiny checkpoint's twin) of `name`; Qwen3.5 prepares frames as Qwen3-VL does."""
+    from hermes.models.qwen2_5_vl import Qwen2_5_VL
+    from hermes.models.qwen3_5 import Qwen3_5
+    from hermes.models.qwen3_vl import Qwen3_VL
+    family, model_type = {"llava_onevision": (LlavaOneVision(), "llava_onevision"),
+                          "qwen2_5_vl": (Qwen2_5_VL(), "qwen2_5_vl"), "qwen3_vl": (Qwen3_VL(), "qwen3_vl"),
+                          "qwen3_5": (Qwen3_5(), "qwen3_5")}[name]
+    twin = family.pil_video_processor(tiny_image_processor(model_type), tiny_video_processor_config(model_type))
+    return family, Processor(tokenizer=tiny_tokenizer(digits=True), video_processor=twin)
+
+
+def same_inputs(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(
+        torch.equal(got[key], want[key]) if isinstance(want[key], torch.Tensor) else got[key] == want[key]
+        for key in want)
+
+
+FAMILY_NAMES = ["llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("count,fps,start", [(4, 2.0, 0.0), (5, 3.0, 3.7), (3, 0.3, 1234.5), (1, 1.0, 2.0)])
+def test_prepare_frames_with_even_times_is_today_s_output(name, count, fps, start):
+    """The frames' own times, evenly spaced at 1 / fps from start (as a reader computes them), give exactly the
+    output of fps and start alone: timestamps and seconds_per_grid to the bit (odd counts, fps whose period is no
+    binary fraction, a late start)."""
+    family, processor = family_processor(name)
+    frames = frames_of(count, seed=count)
+    times = [start + i / fps for i in range(count)]
+    want = family.prepare_frames(processor, frames, fps, start=start)
+    assert same_inputs(family.prepare_frames(processor, frames, fps, start=start, times=times), want)
+    assert same_inputs(family.prepare_frames(processor, frames, fps, start=start, times=np.array(times)), want)
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_qwen3_vl_timestamps_across_a_gap_are_the_true_ones(name):
+    """Frames at 0, 1, 7, 8 and 9 s (2 to 6 dropped) at 1 fps: the steps are stamped at their frames' true mean
+    time, 0.5, 7.5 and 9 s (the last frame repeated), where even spacing would say 0.5, 2.5 and 4; the pixels and
+    grid are the even clip's."""
+    family, processor = family_processor(name)
+    frames = frames_of(5, seed=20)
+    gap = family.prepare_frames(processor, frames, 1.0, start=0.0, times=[0.0, 1.0, 7.0, 8.0, 9.0])
+    even = family.prepare_frames(processor, frames, 1.0, start=0.0)
+    assert gap["timestamps"] == [0.5, 7.5, 9.0] and even["timestamps"] == [0.5, 2.5, 4.0]
+    assert torch.equal(gap["video"], even["video"]) and torch.equal(gap["grid_thw"], even["grid_thw"])
+
+
+def test_qwen2_5_vl_seconds_per_grid_spans_the_chunk_s_true_time():
+    """Frames at 0, 1, 7 and 8 s at 1 fps: M-RoPE spreads the chunk's true 8 s over its steps, T x 8 / 3 seconds
+    per grid step (even frames: T / fps = 2); a frame a microsecond off the grid is still even."""
+    family, processor = family_processor("qwen2_5_vl")
+    frames = frames_of(4, seed=21)
+    gap = family.prepare_frames(processor, frames, 1.0, times=[0.0, 1.0, 7.0, 8.0])
+    assert gap["seconds_per_grid"] == pytest.approx(2 * 8 / 3)
+    assert family.prepare_frames(processor, frames, 1.0, times=[5.0, 6.0, 7.0, 8.0 + 1e-7])["seconds_per_grid"] == 2.0
+    stretched = family.prepare_frames(processor, frames, 1.0, times=[0.0, 2.0, 4.0, 6.0])
+    assert stretched["seconds_per_grid"] == 4.0
+
+
+def test_llava_ov_takes_times_and_ignores_them():
+    family, processor = family_processor("llava_onevision")
+    frames = frames_of(3, seed=22)
+    assert same_inputs(family.prepare_frames(processor, frames, 1.0, times=[0.0, 5.0, 6.5]),
+                       family.prepare_frames(processor, frames, 1.0))
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_prepare_frames_refuses_bad_times_before_the_processor_runs(name):
+    """times of another length, not increasing, not finite or not numbers: one ValueError naming times, raised
+    before the video processor is called."""
+    family, _ = family_processor(name)
+    recorder = Recorder({"pixel_values_videos": torch.zeros(1), "video_grid_thw": torch.tensor([[1, 2, 2]])})
+    processor = Processor(tokenizer=tiny_tokenizer(digits=True), video_processor=recorder)
+    bad = {"short": ([0.0, 1.0], r"the seconds of each of the 3 frames"),
+           "long": ([0.0, 1.0, 2.0, 3.0], r"the seconds of each of the 3 frames"),
+           "a string": ("012", r"the seconds of each of the 3 frames"),
+           "not numbers": ([0.0, "a", 2.0], r"the seconds of each of the 3 frames"),
+           "repeated": ([0.0, 1.0, 1.0], r"increasing"), "backwards": ([2.0, 1.0, 3.0], r"increasing"),
+           "nan": ([0.0, float("nan"), 2.0], r"finite"), "inf": ([0.0, 1.0, float("inf")], r"finite")}
+    for label, (times, message) in bad.items():
+        with pytest.raises(ValueError, match=rf"^times: expected {message}"):
+            family.prepare_frames(processor, frames_of(3), 1.0, times=times)
+    assert recorder.calls == []

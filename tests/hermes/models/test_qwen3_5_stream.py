@@ -17,7 +17,8 @@ from hermes.stream import HermesStream
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from scaffolding.models import tiny_qwen3_5, tiny_qwen3_5_moe
 from scaffolding.tokenizer import tiny_tokenizer
-from tests.hermes.models.qwen3_vl_reference import full_inputs, own_forward, question_text, rope_index
+from tests.hermes.models.qwen3_vl_reference import (chunked_forward, full_inputs, own_forward, question_text,
+                                                    rope_index)
 from tests.hermes.models.test_qwen3_vl import chunks_at
 from tests.hermes.policies.h2svc.checks import MIXED_MAP
 from tests.hermes.stream.policies import POLICIES, assert_same_stream
@@ -82,23 +83,18 @@ def error_bound(got: torch.Tensor, own: torch.Tensor, exact: torch.Tensor, name:
 @pytest.mark.parametrize("policy", ["hermes", "h2svc"])
 def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
     """Two streams, three chunks at advancing timestamps, nothing evicted (HERMES: budget above the stream, H2SVC:
-    windows of every frame): the next-token logits equal the model's own forward over prefix + frames + question,
-    and the cache equals the model's own `DynamicCache` after its forward over prefix + frames: every full-attention
-    layer's keys, values (per KV head, its class's rows for H2SVC) and positions (get_rope_index), every
-    linear-attention layer's conv and recurrent state. Errors within twice the fp32 model's own off the float64
-    model's."""
+    windows of every frame): the cache equals the model's own `DynamicCache` after its own forwards over the prefix
+    and each chunk (the stream's boundaries): every full-attention layer's keys, values (per KV head, its class's rows
+    for H2SVC) and positions (get_rope_index), every linear-attention layer's conv and recurrent state; the next-token
+    logits equal the model's own forward of the question on top of it. Errors within twice the fp32 model's own off
+    the float64 model's, both fed alike (transformers' chunked linear attention sums in the order the forwards cut
+    it; that the cut changes nothing but rounding is tests/hermes/models/test_qwen3_5.py's)."""
     g = torch.Generator().manual_seed(1)
     model, exact, tok = tiny_qwen3_5(), tiny_qwen3_5(dtype=torch.float64), tokenizer()
     chunks = video(3, g, batch=2)
-    whole = full_inputs(model, tok, chunks, 2, question_text(QUESTION))
-    prefix_video = full_inputs(model, tok, chunks, 2)
-    as64 = {name: v.double() if v.is_floating_point() else v for name, v in whole.items()}
-    own_logits = own_forward(model, whole, logits_to_keep=1).logits[:, -1]
-    exact_logits = own_forward(exact, as64, logits_to_keep=1).logits[:, -1]
     own_cache, exact_cache = DynamicCache(config=model.config), DynamicCache(config=exact.config)
-    own_forward(model, prefix_video, cache=own_cache, use_cache=True)
-    own_forward(exact, {name: v.double() if v.is_floating_point() else v for name, v in prefix_video.items()},
-                cache=exact_cache, use_cache=True)
+    prefix_video = chunked_forward(model, tok, chunks, 2, own_cache)
+    chunked_forward(exact, tok, [dict(chunk, video=chunk["video"].double()) for chunk in chunks], 2, exact_cache)
     positions = rope_index(model, prefix_video).permute(1, 0, 2)  # [B, 3, S]
 
     stream = stream_of(model, policy, batch_size=2)
@@ -106,7 +102,6 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
         stream.append_video(**chunk)
     cache = stream.cache
     assert cache.length == positions.shape[-1] and stream.stats()["reindexes"] == 0
-    error_bound(stream.next_token_logits(QUESTION), own_logits, exact_logits, f"{policy} last-token logits")
     held = cache.contents()
     for layer, decoder in enumerate(FULL):
         own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
@@ -129,6 +124,12 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
                     f"conv state of layer {decoder}")
         error_bound(linear[f"linear layer {decoder} recurrent state"], own.recurrent_states[0],
                     ref.recurrent_states[0], f"recurrent state of layer {decoder}")
+    whole = full_inputs(model, tok, chunks, 2, question_text(QUESTION))
+    question = {"input_ids": whole["input_ids"][:, cache.length:],
+                "position_ids": rope_index(model, whole)[:, :, cache.length:]}
+    own_logits = own_forward(model, question, cache=own_cache, logits_to_keep=1).logits[:, -1]
+    exact_logits = own_forward(exact, question, cache=exact_cache, logits_to_keep=1).logits[:, -1]
+    error_bound(stream.next_token_logits(QUESTION), own_logits, exact_logits, f"{policy} last-token logits")
 
 
 # ---- 2. HERMES with eviction: a naive per-layer implementation of docs/hermes.md §2 -----------------------------

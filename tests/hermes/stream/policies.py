@@ -25,7 +25,7 @@ from tests.hermes.policies.h2svc.checks import h2svc_step_fails, h2svc_stream
 from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
 from tests.hermes.stream import fifo_policy
 from tests.hermes.streams import CASES, QUESTION, QWEN3_5, QWEN3_VL, make_stream
-from tests.utils import assert_close_verbose, poison_, same_bytes
+from tests.utils import TOL, assert_close_verbose, poison_, same_bytes
 
 ERRORS = {"oom": torch.OutOfMemoryError, "interrupt": KeyboardInterrupt}
 # the model families of the shared checks: the per-policy tests' CASES, Qwen3-VL (DeepStack, timestamps) and Qwen3.5
@@ -69,15 +69,30 @@ def cache_buffers(stream) -> list[torch.Tensor]:
 def same_rows(a, b, stream_a: int, stream_b: int) -> None:
     """Stream a of `a` holds what stream b of `b` holds: the same length and named contents, keys and values
     equal up to the dtype's tolerance (a batch computes them apart), as are a hybrid model's linear-attention states;
-    everything else (positions, slot frames, features) exactly."""
+    H2SVC's frame features (means of those values) within the bound that follows from it (`features_bound`);
+    everything else (positions, slot frames) exactly."""
     assert a.cache.length == b.cache.length
     x, y = a.cache.contents(), b.cache.contents()
     assert list(x) == list(y)
     for name in x:
         if name.endswith(("keys", "values", "state")):
             assert_close_verbose(x[name][stream_a], y[name][stream_b], name=name)
+        elif name.endswith(" features"):
+            values = x[name.removesuffix("features") + "values"][stream_a]
+            assert_close_verbose(x[name][stream_a], y[name][stream_b], atol=features_bound(values), rtol=0.0,
+                                 name=name)
         else:
             assert torch.equal(x[name][stream_a], y[name][stream_b]), name
+
+
+def features_bound(values: torch.Tensor) -> float:
+    """How far two frame features (fp32 means of T value rows, docs/h2svc.md §3) may differ when their values
+    differ within the values' tolerance (atol + rtol |v|): the mean of the differences is within it too, at most
+    atol + rtol M (M = max |v|), and each mean's own fp32 sum rounds by at most T u M (u the unit roundoff), T
+    bounded here by the block's row count."""
+    atol, rtol = TOL[values.dtype]
+    largest = values.abs().max().item()
+    return atol + rtol * largest + 2 * values.shape[-2] * torch.finfo(torch.float32).eps / 2 * largest
 
 
 @dataclasses.dataclass(frozen=True)
