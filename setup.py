@@ -30,20 +30,22 @@ setup(
                   # lmms-eval --model hermes (docs/evaluation.md): its registry reads this group when it starts
                   "lmms_eval.models": ["hermes = hermes.eval.manifest:manifest"]},
     extras_require={
-        # the model glue, hermes (HermesStream, the caches, the commands); accelerate: transformers asks for it to
-        # load a model with tensor parallelism (DistributedConfig(tp_size=N), docs/multi-gpu.md)
-        "model": ["transformers>=5.0,<6", "accelerate>=1.0,<2"],
+        # the model glue, hermes (HermesStream, the caches, the commands); transformers: the releases the suite
+        # passes on, oldest to the next minor after the newest (docs/install.md#ranges: how to try another);
+        # accelerate: transformers asks for it to load a model with tensor parallelism (DistributedConfig(tp_size=N),
+        # docs/multi-gpu.md); pillow: the families' image processors (transformers' own "vision" floor)
+        "model": ["transformers>=5.24,<5.26", "accelerate>=1.0,<2", "pillow>=10.0.1"],
         # av: the tests write and decode .mp4 files (python -m hermes needs it too, see "video")
-        "test": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6", "av>=12"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6", "av>=17"],
         "bench": ["matplotlib>=3.7", "tqdm>=4.60"],  # python -m bench; its end-to-end rows also need "model"
-        "video": ["av>=12", "tqdm>=4.60"],  # python -m hermes: PyAV decodes, tqdm shows progress
+        "video": ["av>=17", "tqdm>=4.60"],  # python -m hermes: PyAV decodes, tqdm shows progress
         "flash": ["flash-attn>=2.6"],
         # lmms-eval's own import and command line (docs/evaluation.md#install); lmms-eval itself installs with
         # --no-deps beside it (pip install --no-deps lmms-eval==0.7.3), since its torchvision requirement would
         # replace the pinned CPU torch; filelock < 4: lmms-eval 0.7.3 patches filelock._api, gone in 4.x
         "eval": ["accelerate>=1.0,<2", "datasets>=3.0,<6", "evaluate>=0.4,<0.5", "filelock>=3.16,<4",
                  "loguru>=0.7,<0.8", "pytablewriter>=1.2,<2", "pytz", "sacrebleu>=2.4,<3", "tenacity>=8.3",
-                 "av>=12", "tqdm>=4.60"],
+                 "av>=17", "tqdm>=4.60"],
         "dev": ["ruff>=0.6", "mkdocs>=1.6,<2", "mkdocs-material>=9.5"],  # .ci/run: lint and the docs site
     },
 )

@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration)
+from transformers import (AutoModelForImageTextToText, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
 
 from scaffolding.tokenizer import tiny_tokenizer
 
@@ -42,7 +42,9 @@ class RealWidth:
     def build(self) -> torch.nn.Module:
         """The model with seeded random weights, bfloat16, eval mode."""
         torch.manual_seed(0)
-        return self.model_class._from_config(self.config(), dtype=torch.bfloat16).eval()
+        model = AutoModelForImageTextToText.from_config(self.config(), dtype=torch.bfloat16).eval()
+        assert type(model) is self.model_class, type(model).__name__
+        return model
 
 
 def _text(**sizes) -> dict:

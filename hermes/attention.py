@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
+from transformers import __version__ as transformers_version
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
@@ -101,6 +102,18 @@ def patch_model(model: torch.nn.Module) -> None:
         model.set_attn_implementation({"text_config": HERMES_ATTENTION})
     else:
         model.set_attn_implementation(HERMES_ATTENTION)
+
+
+def attention_name(config) -> str:
+    """The attention implementation a model config records (e.g. "sdpa", or HERMES_ATTENTION once patched).
+    transformers has no public getter: this reads its private `_attn_implementation`, here and nowhere else in the
+    package, and names the installed release when that attribute is gone (docs/install.md#private-names)."""
+    try:
+        return config._attn_implementation
+    except AttributeError:
+        raise RuntimeError(f"transformers {transformers_version}: a {type(config).__name__} no longer records its "
+                           "attention implementation as `_attn_implementation`; hermes supports the releases in "
+                           "docs/install.md#ranges") from None
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from hermes_kernels import native
@@ -175,6 +174,8 @@ def error_line(main, capsys, argv, status: int = 1) -> str:
 
 def require_c_library(name: str) -> None:
     """Skip when no C compiler is installed; fail when one is but hermes_kernels/<name>.c did not build."""
+    import pytest  # here, not at the top: the task writer of .ci/smoke/eval.py imports this module without pytest
+
     reason = native.unavailable_reason(name)
     if reason is not None and reason.startswith("no C compiler"):
         pytest.skip(reason)

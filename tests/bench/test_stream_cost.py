@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from transformers import AutoModelForImageTextToText
 
 from hermes.models import family_of
 from bench import stream_cost
@@ -20,7 +21,8 @@ def test_real_widths_match_the_shape_registry(name):
     width, shape = REAL_WIDTHS[name], SHAPES[name]
     config = width.config()
     with torch.device("meta"):
-        model = width.model_class._from_config(config)
+        model = AutoModelForImageTextToText.from_config(config)
+    assert type(model) is width.model_class
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     geometry = shape.geometry

@@ -3,6 +3,7 @@
 differ per row and per stream. Its error against an fp32 computation is bounded by twice the model path's own."""
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -33,3 +34,16 @@ def test_grouped_sdpa_matches_the_model_sdpa(dtype, heads, kv_heads, count, tota
     assert got.shape == expected.shape == (b, count, heads, dim) and got.dtype == dtype
     model_error = (expected.double() - exact).abs().max().item()
     assert (got.double() - exact).abs().max().item() <= 2 * model_error + 1e-6
+
+
+def test_the_recorded_attention_is_read_in_one_place():
+    """`attention_name` reads what a config records (the one read of transformers' private `_attn_implementation`
+    in the package), and a config without it is refused naming the installed transformers release."""
+    from transformers import Qwen2Config, __version__
+
+    from hermes.attention import attention_name
+    config = Qwen2Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    config._attn_implementation = "eager"
+    assert attention_name(config) == "eager"
+    with pytest.raises(RuntimeError, match=rf"^transformers {re.escape(__version__)}: a object no longer records"):
+        attention_name(object())

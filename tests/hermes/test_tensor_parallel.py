@@ -357,3 +357,86 @@ def _layer_fault(rank: int, world: int, models, case) -> None:
             assert "out of step" in str(error) or "different collectives" in str(error), str(error)
         else:
             raise AssertionError(f"rank {rank}: a call after the fault was not refused")
+
+
+# ---- several KV heads per rank ---------------------------------------------------------------------------------
+
+# 4 KV heads on 2 ranks: columns 1-2 give other classes than 2-3 in every layer, so a rank 1 that took heads [1, 3)
+# instead of [2, 4) classifies its heads wrongly
+MAP_2X2 = [[0, 1, 2, 0], [2, 0, 1, 1], [1, 2, 0, 2], [0, 0, 2, 1]]
+
+
+def test_a_rank_s_kv_heads_start_at_its_index_times_its_share():
+    """`HeadShard.kv_heads`: rank i of N holds KV heads [i·Hkv/N, (i+1)·Hkv/N), so the ranks' shares tile the heads
+    in order; and `rank_config` gives H2SVC rank i the head map's columns of exactly those heads. With one KV head a
+    rank (every other test) a share starting at `index` instead of `index · share` looks the same; here ranks hold 2
+    and 3 KV heads."""
+    from hermes_kernels import H2SVCConfig
+    from hermes.parallel import HeadShard
+    from hermes.policies.h2svc.policy import rank_config
+
+    for count, kv_heads in ((2, 4), (2, 6), (4, 8)):
+        share = kv_heads // count
+        shards = [HeadShard(group=None, index=i, count=count, num_heads=2 * kv_heads, num_kv_heads=kv_heads)
+                  for i in range(count)]
+        assert [shard.kv_heads for shard in shards] == [range(i * share, (i + 1) * share) for i in range(count)]
+        assert [h for shard in shards for h in shard.kv_heads] == list(range(kv_heads)), f"{count} x {share}"
+    cfg = H2SVCConfig.llava_ov(4, 4, 2, head_map=MAP_2X2, tokens_per_frame=4)
+    for index in range(2):
+        shard = HeadShard(group=None, index=index, count=2, num_heads=8, num_kv_heads=4)
+        mine = rank_config(cfg, shard)
+        assert mine.num_kv_heads == 2
+        assert torch.equal(mine.head_classes, torch.tensor(MAP_2X2)[:, 2 * index:2 * index + 2]), \
+            f"rank {index}: head map columns {mine.head_classes.tolist()}"
+
+
+def test_two_ranks_with_two_kv_heads_each_stream_as_one_process(checkpoints):
+    """LLaVA-OV with 4 KV heads on 2 ranks (two KV heads a rank, the only run where a rank's share does not start at
+    its index): H2SVC, whose rank configs take the head map's columns of the rank's heads (`HeadShard.kv_heads`),
+    streams as one process does, heads compared class by class against the one-process cache's rows of the rank's
+    own heads."""
+    run_ranks(_two_kv_heads_a_rank, 2, checkpoints)
+
+
+def _two_kv_heads_a_rank(rank: int, world: int, checkpoints: dict) -> None:
+    models = _load(checkpoints["llava_ov_kv4"], None), _load(checkpoints["llava_ov_kv4"], world)
+    one, mine = _compare(rank, world, models, CASES["llava_ov"], dict(H2SVC, head_map=MAP_2X2, reindex="eager"),
+                         chunks=3)
+    assert mine.setup.shard.kv_heads == range(2 * rank, 2 * rank + 2), mine.setup.shard
+    assert torch.equal(mine.cfg.head_classes, one.cfg.head_classes[:, 2 * rank:2 * rank + 2]), "rank's map columns"
+
+
+# ---- refusing_ranks over a group that is not the world ---------------------------------------------------------
+
+# (members of a group made on 4 ranks): a pair that leaves out ranks 0 and 2, and a triple whose last member's
+# world rank (3) is past the group's size
+SUBGROUPS = ((1, 3), (0, 2, 3))
+
+
+def test_refusing_ranks_of_a_subgroup_are_its_own_ranks():
+    """`refusing_ranks` flags each rank at its place in the group (`dist.get_rank(group)`), not at its world rank:
+    on 4 ranks, in groups (1, 3) and (0, 2, 3), every member learns the same list, the group ranks of the members
+    that refused (none, each alone, the last two together). Every other run uses the world group, where both ranks
+    are the same."""
+    run_ranks(_subgroup_refusals, 4, timeout_s=30)
+
+
+def _subgroup_refusals(rank: int, world: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from hermes.parallel import refusing_ranks
+
+    # every rank takes part in making every group, in the same order
+    groups = {members: dist.new_group(list(members), timeout=datetime.timedelta(seconds=30))
+              for members in SUBGROUPS}
+    for members, group in groups.items():
+        if rank not in members:
+            continue
+        what = f"rank {rank} in group {members}"
+        assert refusing_ranks(group, False) == [], what
+        for refuser in members:
+            assert refusing_ranks(group, rank == refuser) == [members.index(refuser)], f"{what}, {refuser} refused"
+        assert refusing_ranks(group, rank in members[-2:]) == [len(members) - 2, len(members) - 1], what
+    dist.barrier()  # the ranks outside a group wait for its members

@@ -185,3 +185,39 @@ def _released_selection(rank: int, world: int, group) -> None:
     expected = handles[0].prune_kv_cache_by_attention(maps, maps, maps, 20)
     got = handles[1].prune_kv_cache_by_attention(*[[m[:, heads] for m in maps]] * 3, 20)
     assert [k.tolist() for k in got] == [k.tolist() for k in expected], "released selection: keep differs"
+
+
+def test_non_finite_attention_on_one_rank_is_refused_by_every_rank():
+    """`hermes_scores(..., group=)` (and `compress_stacks`, beside `compress_step` above) with a NaN in the last
+    rank's pooled attention only: the NaN reaches every rank through the all-reduce, so every rank raises the same
+    ValueError naming the layer, and then the ranks are still in step (they gather their messages, and score clean
+    attention as one process does). A rank that checked its own share before the all-reduce would refuse alone and
+    leave the others waiting in the collective: the group's timeout (20 s) turns that into a failure, not a hang."""
+    run_ranks(_one_rank_non_finite, 2, timeout_s=20)
+
+
+def _one_rank_non_finite(rank: int, world: int) -> None:
+    group = dist.group.WORLD
+    cfg = HermesConfig.llava_ov(L, BUDGET, P, reindex="eager")
+    shares, whole = _shares(world)
+    poisoned = shares[rank].clone()
+    if rank == world - 1:
+        poisoned[2, 1, 7] = float("nan")
+    match = "attn: non-finite values in layer(s) [2]"
+    messages = [_raises_alike(lambda: hk.hermes_scores(poisoned, cfg, backend="torch", group=group), ValueError,
+                              match)]
+    keys, values, positions = _cache()
+    heads = slice(rank * KV_HEADS // world, (rank + 1) * KV_HEADS // world)
+    mine = [keys[:, :, heads].clone(), values[:, :, heads].clone(), positions.clone()]
+    before = [t.clone() for t in mine]
+    inv_freq = inv_freq_for(D)
+    stacks = [(range(0, 2), *(t[:2] for t in mine), inv_freq), (range(2, L), *(t[2:] for t in mine), inv_freq)]
+    messages.append(_raises_alike(lambda: hk.compress_stacks(stacks, poisoned, cfg, backend="torch", group=group),
+                                  ValueError, match))
+    for got, was in zip(mine, before):
+        assert torch.equal(got, was), "a refused step wrote into the cache"
+    every = [None] * world
+    dist.all_gather_object(every, messages, group=group)
+    assert all(m == messages for m in every), f"ranks raised different errors: {every}"
+    torch.testing.assert_close(hk.hermes_scores(shares[rank], cfg, backend="torch", group=group),
+                               hk.hermes_scores(whole, cfg, backend="torch"), msg="hermes_scores after the refusal")

@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 import torch
 from transformers import AttentionInterface
 
+from hermes.attention import attention_name
+
 PROFILE_ATTENTION = "h2svc-profile"
 BLOCK_BYTES = 256 * 2**20  # float32 probabilities of one query block, [H, block, S], when query_block is None
 
@@ -129,7 +131,7 @@ def profiling_attention(model: torch.nn.Module) -> Iterator[None]:
     """Run the language model's attention through `profile_attention_forward` inside the block; the model's own
     attention implementation is restored afterwards (also after an error)."""
     AttentionInterface.register(PROFILE_ATTENTION, profile_attention_forward)
-    before = model.config.get_text_config()._attn_implementation
+    before = attention_name(model.config.get_text_config())
     model.set_attn_implementation({"text_config": PROFILE_ATTENTION})
     try:
         yield

@@ -68,7 +68,7 @@ BAD_ARGS = [
     (dict(chunk_frames=2.5), "chunk_frames: expected a positive int, got 2.5"),
     (dict(max_new_tokens=-1), "max_new_tokens: expected a positive int, got -1"),
     (dict(room=0), "room: expected a positive int, got 0"),
-    (dict(policy="snapkv"), "policy: expected one of ('hermes', 'h2svc'), got 'snapkv'"),
+    (dict(policy="snapkv"), "policy: expected one of ["),  # the registry's names (test_thirdparty_policy.py)
     (dict(reindex="sometimes"), "reindex: expected one of ('auto', 'lazy', 'eager'), got 'sometimes'"),
     (dict(backend="gpu"), "backend: expected one of"),
     (dict(dtype="int8"), "dtype: expected auto or one of"),
@@ -234,3 +234,61 @@ def test_a_question_before_any_frame_is_refused(tiny_checkpoints):
                        arguments=(QUESTIONS[0], {}, lambda d: [], None, 0, TASK, SPLIT))
     with pytest.raises(ValueError, match=f"^{TASK}/0: round 0 asks before any video frame"):
         model.generate_until_multi_round([request])
+
+
+# ---- streams and room -----------------------------------------------------------------------------------------
+def test_each_frame_size_streams_on_a_stream_built_for_it(tiny_checkpoints, videos, tmp_path, monkeypatch):
+    """Qwen2.5-VL sizes a stream's chunks from the processed frame size (a: 48 x 64 frames, 12 x 16 processed, 24
+    tokens a chunk; a square video: 64 x 64, 16 x 16 processed, 32 tokens). Asked about a and the square video in
+    one call, then a again in the next (the model keeps its last stream across calls), at batch 1: every video
+    streams on a stream built for its own frame size (a kept stream is reused only for the same size: the size is
+    part of the reuse key), in both orders, and the answers are those of models that stream each video alone."""
+    from tests.hermes.video_files import write_video
+
+    square = write_video(tmp_path / "square.mp4", [i / 4 for i in range(40)], height=64, width=64)
+    calls = [[videos["a"], square], [videos["a"]]]
+    docs = [[{"video": path, "question": QUESTIONS[i], "max_new_tokens": 3} for i, path in enumerate(paths)]
+            for paths in calls]
+    alone = []
+    for call in docs:
+        answers = []
+        for doc in call:
+            model = build(tiny_checkpoints["qwen2_5_vl"])
+            answers += model.generate_until(requests(model, [doc]))
+        alone.append(answers)
+    taken = []
+    original = HermesModel._stream_for
+
+    def spy(self, batch_size, frame_size, request_type):
+        stream = original(self, batch_size, frame_size, request_type)
+        taken.append((frame_size, stream.frame_size))
+        return stream
+    monkeypatch.setattr(HermesModel, "_stream_for", spy)
+    model = build(tiny_checkpoints["qwen2_5_vl"])
+    assert [model.generate_until(requests(model, call)) for call in docs] == alone
+    wanted = [size for size, _ in taken]
+    assert len(wanted) == 3 and wanted[0] == wanted[2] != wanted[1], taken
+    assert all(built == size for size, built in taken), f"(frame size, stream built for): {taken}"
+
+
+def test_a_prompt_that_fills_the_room_exactly_is_accepted_and_one_token_more_is_refused(tiny_checkpoints, videos,
+                                                                                         monkeypatch):
+    """`room` bounds a question's prompt tokens plus its max_new_tokens: a request whose prompt and answer need
+    exactly `room` slots is streamed and answered; one more answer token and it is refused naming `room` and the
+    slots it needs, before any video is opened."""
+    room = 80  # also past what the guidance prompts of a compressing chunk need
+    model = build(tiny_checkpoints["llava_onevision"], room=room)
+    question = QUESTIONS[0]
+    prompt = len(model.tokenizer(model.family.question_text(question), add_special_tokens=False)["input_ids"])
+    assert 0 < prompt < room
+    fits = [{"video": videos["a"], "question": question, "max_new_tokens": room - prompt}]
+    answers = model.generate_until(requests(model, fits))
+    assert answers[0] and model.counts["generate_until"] == {"videos": 1, "questions": 1}
+
+    def refuse(self, path):
+        raise AssertionError("a video was opened before the requests were checked")
+    monkeypatch.setattr(VideoFeed, "open", refuse)
+    over = [dict(fits[0], max_new_tokens=room - prompt + 1)]
+    with pytest.raises(ValueError, match=rf"^room: {TASK}/0's prompt and answer need {room + 1} cache slots, more "
+                                         rf"than room={room}; pass room={room + 1} \(or more\) in --model_args$"):
+        model.generate_until(requests(model, over))

@@ -26,8 +26,9 @@ from hermes.policies.h2svc.head_map import FORMAT
 from hermes.policies.h2svc.profile import profile_heads
 from hermes.profile_cli import main
 from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores, tad_t2v, tad_v2v
+from hermes.attention import attention_name
 from hermes.models import family_of
-from hermes.video import VideoReader
+from hermes.video import VideoClip, VideoReader
 from tests.utils import REPO, assert_close_verbose, error_line
 from tests.hermes.video_files import frame_image, write_video
 
@@ -87,7 +88,7 @@ def layout_positions(prefix_len: int, chunks, tail_len: int, mrope: bool) -> tor
 
 def eager_probs(model, embeds, positions) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities float32 [L, H, S, S] of one sequence from transformers' eager attention, last-token logits)."""
-    before = model.config.get_text_config()._attn_implementation
+    before = attention_name(model.config.get_text_config())
     model.set_attn_implementation({"text_config": "eager"})
     try:
         with torch.no_grad():
@@ -141,11 +142,11 @@ def test_streamed_tad_equals_reference_on_full_attention_maps(loaded, files, fam
     TAD_V2V / TAD_T2V equal the reference on full eager attention maps; the profile's metrics are their means
     over clips, S and the map follow from them; the model's attention implementation is left as it was."""
     model, processor = loaded[family].model, loaded[family].processor
-    before = model.config.get_text_config()._attn_implementation
+    before = attention_name(model.config.get_text_config())
     array = frames_array(5)
-    profile = profile_heads(model, processor, [files["clip"], array], fps=1, chunk_frames=3, questions=QUESTIONS,
-                            answer_tokens=2, query_block=5, progress=False)
-    assert model.config.get_text_config()._attn_implementation == before
+    profile = profile_heads(model, processor, [VideoClip(files["clip"]), array], fps=1, chunk_frames=3,
+                            questions=QUESTIONS, answer_tokens=2, query_block=5, progress=False)
+    assert attention_name(model.config.get_text_config()) == before
 
     with VideoReader(files["clip"]) as reader:
         decoded = [chunk.frames for chunk in reader.chunks(1, 3)]
@@ -181,7 +182,7 @@ def test_query_blocks_and_max_frames(loaded, files, monkeypatch):
     add = profiler.TADSums.add
     monkeypatch.setattr(profiler.TADSums, "add", lambda self, layer, probs, rows: (
         blocks.append((tuple(probs.shape), rows.stop - rows.start)), add(self, layer, probs, rows)))
-    whole = profile_heads(model, processor, [files["clip"]], max_frames=6, **args)
+    whole = profile_heads(model, processor, [VideoClip(files["clip"])], max_frames=6, **args)
     family = family_of(model)
     prefix, question = (len(processor.tokenizer(text)["input_ids"])
                         for text in (family.prefix_text(None), family.question_text(QUESTIONS[0])))
@@ -190,7 +191,7 @@ def test_query_blocks_and_max_frames(loaded, files, monkeypatch):
     assert all(shape[:2] == (4, rows) for shape, rows in blocks)
     blocks.clear()
     monkeypatch.setattr(tad, "BLOCK_BYTES", 1)
-    by_rows = profile_heads(model, processor, [files["clip"]], max_frames=6, **args)
+    by_rows = profile_heads(model, processor, [VideoClip(files["clip"])], max_frames=6, **args)
     assert {rows for _, rows in blocks} == {1} and len(blocks) == 4 * (prefix + 6 * 16 + question)
     assert_close_verbose(by_rows.v2v, whole.v2v, name="V2V by rows vs one block", **TAD_TOL)
     assert_close_verbose(by_rows.t2v, whole.t2v, name="T2V by rows vs one block", **TAD_TOL)
@@ -308,8 +309,8 @@ def test_bad_inputs_fail_before_any_forward(loaded, files, monkeypatch, tmp_path
     calls = []
     monkeypatch.setattr(profiler, "_profile_clip", lambda *a, **k: calls.append(1))
     cases = [
-        (FileNotFoundError, "video: no such file", dict(videos=[files["clip"], str(tmp_path / "missing.mp4")])),
-        (ValueError, "video: cannot read", dict(videos=[files["corrupt"]])),
+        (TypeError, r"videos: expected a uint8 \[F, H, W, 3\] array or a clip \(a video file: "
+                    r"hermes.video.VideoClip\(path\)\), got str", dict(videos=[files["clip"]])),
         (ValueError, "videos: expected frame arrays", dict(videos=[np.zeros((2, 8, 8, 3), dtype=np.float32)])),
         (ValueError, "videos", dict(videos=[])),
         (ValueError, "fps", dict(fps=0)),
@@ -319,15 +320,19 @@ def test_bad_inputs_fail_before_any_forward(loaded, files, monkeypatch, tmp_path
         (ValueError, "questions", dict(questions=["  "])),
         (ValueError, "short_ratio", dict(instant_ratio=0.6, short_ratio=0.6)),
     ]
+    with pytest.raises(FileNotFoundError, match="video: no such file"):
+        VideoClip(tmp_path / "missing.mp4")
+    with pytest.raises(ValueError, match="video: cannot read"):
+        VideoClip(files["corrupt"])
     for error, message, kwargs in cases:
-        args = dict(videos=[files["clip"]], progress=False)
+        args = dict(videos=[VideoClip(files["clip"])], progress=False)
         args.update(kwargs)
         with pytest.raises(error, match=message):
             profile_heads(model, processor, args.pop("videos"), **args)
     assert calls == []
     monkeypatch.undo()
 
-    before = model.config.get_text_config()._attn_implementation
+    before = attention_name(model.config.get_text_config())
     family = family_of(model)
 
     def failing(*args, **kwargs):
@@ -336,7 +341,7 @@ def test_bad_inputs_fail_before_any_forward(loaded, files, monkeypatch, tmp_path
     monkeypatch.setattr(type(family), "encode_video", failing)
     with pytest.raises(RuntimeError, match="vision tower failed"):
         profile_heads(model, processor, [frames_array(2)], progress=False)
-    assert model.config.get_text_config()._attn_implementation == before
+    assert attention_name(model.config.get_text_config()) == before
 
 
 # ---- the command ------------------------------------------------------------------------------------------
@@ -358,7 +363,7 @@ def test_command_writes_a_map_that_loads(tiny_checkpoints, loaded, files, tmp_pa
     assert "RuntimeWarning" not in result.stderr
     model = loaded["qwen2_5_vl"].model
     back = load_head_map(out, model)
-    expected = profile_heads(model, loaded["qwen2_5_vl"].processor, [files["clip"]], chunk_frames=4,
+    expected = profile_heads(model, loaded["qwen2_5_vl"].processor, [VideoClip(files["clip"])], chunk_frames=4,
                              questions=QUESTIONS[0], progress=False)
     assert back.model_name == tiny_checkpoints["qwen2_5_vl"] and back.clips[0]["source"] == files["clip"]
     assert_close_verbose(back.v2v, expected.v2v, name="command V2V", **TAD_TOL)

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 import hermes.policies.hermes.policy
 from hermes import HermesConfig, HermesStream
-from hermes.attention import HERMES_ATTENTION, patch_model
+from hermes.attention import HERMES_ATTENTION, attention_name, patch_model
 from hermes.cache import claim_update
 from hermes.policies.hermes.cache import HermesCache
 from hermes.policies.hermes.guidance import GLOBAL, LOCAL, GuidancePlan, guidance_prompts
@@ -300,8 +300,8 @@ def test_patched_attention_without_hermes_cache_is_the_models_own(split):
     with torch.no_grad():
         expected = lm(input_ids=ids).last_hidden_state
         patch_model(model)
-        assert model.config.text_config._attn_implementation == HERMES_ATTENTION
-        assert model.config.vision_config._attn_implementation != HERMES_ATTENTION
+        assert attention_name(model.config.text_config) == HERMES_ATTENTION
+        assert attention_name(model.config.vision_config) != HERMES_ATTENTION
         cache = DynamicCache()
         first = lm(input_ids=ids[:, :split], cache=cache, use_cache=True).last_hidden_state
         second = lm(input_ids=ids[:, split:], cache=cache, use_cache=True).last_hidden_state
