@@ -20,7 +20,7 @@ import torch
 
 from hermes_kernels import native
 
-from . import e2e, stream_memory
+from . import e2e
 from .memory import peak_extra_bytes
 from .plot import plot_rows
 from .report import (Row, append_csv, commit_hash, device_kind, device_name, fill_floor_ratios, fill_speedups,
@@ -31,7 +31,9 @@ from .stages import (BACKENDS, RELEASED, RELEASED_FAMILIES, RELEASED_STAGES, STA
                      stage_backends, stage_policy)
 from .timing import copy_bandwidth, time_case
 
-RESULTS_DIR = Path(__file__).parent / "results"
+# a run's CSV and plot; git ignores the folder, so a run leaves the checkout clean (the dated records under
+# bench/results/ are written by hand, with their command)
+OUT_DIR = Path(__file__).parent / "out"
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32}
 
@@ -96,7 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-frame", type=int, default=TOKENS_PER_FRAME,
                    help=f"visual tokens per frame (default {TOKENS_PER_FRAME})")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic inputs (default 0)")
-    p.add_argument("--results-dir", type=Path, help=f"where CSV/PNG go (default {RESULTS_DIR}; --quick: a temp dir)")
+    p.add_argument("--out", type=Path, metavar="DIR",
+                   help="where this run's CSV rows and plot go (default bench/out/, which git ignores; --quick: a "
+                        "temp dir)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end streaming step")
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = native.unavailable_reason("stce_cpu")
         print("torch backend, STCE arrival loop on CPU: " + ("C (hermes_kernels/stce_cpu.c)" if reason is None
               else f"torch ops ({reason})") + "; torch-ops rows: always torch ops")
-    results_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else RESULTS_DIR)
+    results_dir = args.out or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else OUT_DIR)
     # HERMES points per budget; H2SVC points (frame memories, no budget: 0) once per shape, dtype and chunk
     policies = {stage_policy(stage) for stage in args.stages}
     specs = [Spec(shape=get_shape(shape), budget=budget, chunk_frames=chunk, dtype=DTYPES[dtype], device=device,
@@ -289,13 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     written = append_csv(rows, csv_path, name, commit, bandwidth / 1e9, (load, load_after))
     print(f"appended {written} rows to {csv_path}")
     if not args.no_plot:
-        png = plot_rows(rows, results_dir / f"{device_kind(device)}.png", f"HERMES compress step, {name}, {commit}")
+        loads = "" if load is None else f", load {load:.1f} before / {load_after:.1f} after on {os.cpu_count()} cores"
+        png = plot_rows(rows, results_dir / f"{device_kind(device)}.png", f"{name}{loads}, commit {commit}")
         if png is not None:
             print(f"plot: {png}")
 
     errors = [f"{r.stage} {r.backend} {r.shape}: {r.status}" for r in rows if r.status.startswith("error")]
     print()
-    print(stream_memory.report())
+    try:  # the caches of the model glue: the `model` extra (the kernel stages above need only `bench`)
+        from . import stream_memory
+    except ImportError as exc:
+        print(f"stream memory: n/a ({exc})")
+    else:
+        print(stream_memory.report())
     if not args.no_e2e:
         print()
         try:

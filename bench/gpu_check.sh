@@ -74,7 +74,7 @@ bench_rc=0
 timeout 75 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 \
     --budgets 6000 --chunks 16 --backends reference torch triton \
     --stages pooled_attention_q40 pooled_attention_q20 scores select compact step \
-    --repeats 20 --reference-repeats 1 --warmup 2 --results-dir "$out" 2>&1 | tee "$out/bench.log" \
+    --repeats 20 --reference-repeats 1 --warmup 2 --out "$out" 2>&1 | tee "$out/bench.log" \
     || bench_rc=$?
 
 # 4. The H2SVC stages (the per-head reference step takes seconds: one timed run, one warm-up).
@@ -82,7 +82,7 @@ echo "== benchmark: H2SVC stages"
 h2svc_rc=0
 timeout 60 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b --dtypes float16 --chunks 16 \
     --stages h2svc_features h2svc_stce h2svc_step --backends reference torch triton \
-    --repeats 20 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --results-dir "$out" 2>&1 \
+    --repeats 20 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --out "$out" 2>&1 \
     | tee "$out/bench_h2svc.log" || h2svc_rc=$?
 
 # 5. Qwen3-VL-8B (36 layers, 8 KV heads, interleaved M-RoPE sections) and Qwen3.5 (8 full-attention layers, 4 KV
@@ -94,7 +94,7 @@ echo "== benchmark: Qwen3-VL-8B and Qwen3.5, interleaved M-RoPE (Qwen3.5: partia
 qwen3_rc=0
 timeout 35 "$python" -m bench --device cuda --shapes qwen3-vl-8b qwen3.5 --dtypes float16 --budgets 6000 --chunks 16 \
     --stages compact step h2svc_step --backends torch triton --repeats 12 --warmup 2 --no-e2e --no-plot \
-    --results-dir "$out" 2>&1 | tee "$out/bench_rotary.log" || qwen3_rc=$?
+    --out "$out" 2>&1 | tee "$out/bench_rotary.log" || qwen3_rc=$?
 
 echo "== gpu_check: tests exit ${tests_rc}, real-size check exit ${real_rc}, compile check exit ${kernels_rc}, bench" \
     "exit ${bench_rc}, H2SVC bench exit ${h2svc_rc}, Qwen3-VL bench exit ${qwen3_rc}; results in $out"

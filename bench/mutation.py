@@ -69,6 +69,8 @@ SELECTIONS: list[tuple[str, list[str], str]] = [
                                 "tests/hermes/stream"], "(qwen3_5 or linear_state) and not triton and not thread"),
     ("hermes/policy.py", ["tests/hermes/test_policy.py", "tests/hermes/test_policy_registry.py",
                           "tests/hermes/stream/test_fifo_policy.py"], NO_THREADS),
+    ("hermes/registry.py", ["tests/hermes/test_policy_registry.py", "tests/hermes/test_thirdparty_policy.py",
+                            "tests/hermes/test_policy.py"], NO_THREADS),
     ("hermes/attention.py", ["tests/hermes/test_attention.py", "tests/hermes/stream"], NO_THREADS),
     ("hermes/*.py", ["tests/hermes/stream", "tests/hermes/policies"], NO_THREADS),
 ]

@@ -6,7 +6,8 @@ records `--json` prints.
     hermes --model PATH --video FILE --policy h2svc --head-map map.json --ask-at 30s:"What just happened?" --json
     torchrun --nproc-per-node 2 -m hermes --tp 2 --model PATH --video FILE --question "..."   # docs/multi-gpu.md
 
-Every input is checked before any weights load (`check_run`). Options, errors, records: docs/cli.md.
+Every input is checked before any weights load (`check_run`), the settings and the files before torch or
+transformers is even imported (`check_arguments`). Options, errors, records: docs/cli.md.
 """
 from __future__ import annotations
 
@@ -18,75 +19,98 @@ import os
 import re
 import sys
 import time
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-import torch
-
+from hermes.commands import (LoadedModel, UsageError, check_checkpoint, check_positive_int, check_tp, check_tp_model,
+                             checkpoint_folder, command_parser, load_model, load_processor, resolve_device,
+                             resolve_dtype, run_main, tp_device, usage)
+from hermes.registry import check_policy_name, get_policy
 from hermes.video import VideoReader, as_fraction, parse_time
-from hermes.commands import (LoadedModel, UsageError, check_checkpoint, check_tp, check_tp_model, command_parser,
-                             load_model, load_processor, resolve_device, resolve_dtype, run_main, tp_device, usage)
-from hermes_kernels.checks import check_positive_int
 
-POLICIES = ("hermes", "h2svc")
+if TYPE_CHECKING:
+    import torch
+
 _ASK_AT = re.compile(r"^\s*(\d+(?::\d+){0,2}(?:\.\d+)?s?)\s*:(.*)$", re.DOTALL)
 
 
 @dataclasses.dataclass
 class RunCheck:
-    """What `check_run` found before any weights load: the question schedule, the device and dtype, for a
-    checkpoint folder its family, processor and config, `keep`, the frame size the processor keeps
-    (`VideoReader.chunks`' keep), and `tp`, the tensor-parallel degree (1: one process)."""
+    """What `check_run` found before any weights load. From `check_arguments`: the question schedule (seconds,
+    question), `tp`, the tensor-parallel degree (1: one process), the video's `duration` (seconds, None when its
+    header does not say) and its frames' `size` (height, width). Then the device and dtype, for a checkpoint folder
+    its family, processor and config, and `keep`, the frame size the processor keeps (`VideoReader.chunks`' keep)."""
 
     schedule: list[tuple[float, str]]
-    device: torch.device
-    dtype: torch.dtype
-    tp: int = 1
+    tp: int
+    duration: float | None
+    size: tuple[int, int]
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
     family: object = None
     processor: object = None
     config: object = None
     keep: tuple[int, int] | None = None
 
 
-def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike, *, ask_at: Sequence = (),
-              fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
-              head_map: str | os.PathLike | None = None, device: str | torch.device | None = None,
-              dtype: str | torch.dtype = "auto", max_new_tokens: int = 64, tp: int | None = None) -> RunCheck:
-    """Every check of `run` that needs no weights (docs/cli.md#stream-a-video-file), in this order: settings (tp
-    against the processes torchrun started), the video's header, the device, the checkpoint (its heads against tp)
-    and its processor, the video's first chunk (decoded at the size the processor keeps) and the --ask-at times
-    against the video, the budget against the positions, the head map. UsageError for a setting that cannot work;
-    FileNotFoundError or ValueError for an input that cannot be read."""
-    from hermes.linear_state import FULL, layer_kinds
-    from hermes.policies.h2svc.head_map import check_head_map, load_head_map
-    from hermes_kernels import HermesConfig
-
-    fps = float(usage(lambda: as_fraction(fps, "fps")))
+def check_arguments(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, ask_at: Sequence = (),
+                    fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
+                    head_map: str | os.PathLike | None = None, max_new_tokens: int = 64,
+                    tp: int | None = None) -> RunCheck:
+    """The checks of `check_run` that import neither torch, transformers nor any policy, in this order: the settings
+    (the policy's name against the registry, `policy_kwargs`), tp against the processes torchrun started, the
+    video's header, the checkpoint folder (a `LoadedModel`: nothing). Returns the RunCheck's schedule, tp, duration
+    and size; raises as `check_run`."""
+    usage(lambda: as_fraction(fps, "fps"))
     for name, value in (("chunk_frames", chunk_frames), ("budget", budget), ("max_new_tokens", max_new_tokens)):
         usage(lambda: check_positive_int(name, value))
     schedule = usage(lambda: sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0]))
     usage(lambda: policy_kwargs(policy, budget, head_map))  # a missing head map file: FileNotFoundError
     tp = check_tp(tp)
     with VideoReader(video) as reader:  # the header: a video stream of frames of a sane size
-        duration, source = reader.duration, reader.size
+        check = RunCheck(schedule, tp, reader.duration, reader.size)
+    if not isinstance(model, LoadedModel):
+        checkpoint_folder(model)  # its config.json is read (with transformers) by check_run
+    return check
+
+
+def check_run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, ask_at: Sequence = (),
+              fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
+              head_map: str | os.PathLike | None = None, device: str | torch.device | None = None,
+              dtype: str | torch.dtype = "auto", max_new_tokens: int = 64, tp: int | None = None) -> RunCheck:
+    """Every check of `run` that needs no weights (docs/cli.md#stream-a-video-file), in this order: those of
+    `check_arguments` (the settings, tp, the video's header, the checkpoint folder), the device, the checkpoint's
+    config.json (its heads against tp) and its processor, the policy's class (an installed package's is imported
+    here), the video's first chunk (decoded at the size the processor keeps) and the --ask-at times against the
+    video, the budget against the positions, the head map. UsageError for a setting that cannot work;
+    FileNotFoundError or ValueError for an input that cannot be read; ImportError for a policy's package that
+    cannot be."""
+    from hermes.linear_state import FULL, layer_kinds
+    from hermes.policies.h2svc.head_map import check_head_map, load_head_map
+    from hermes_kernels import HermesConfig
+
+    check = check_arguments(model, video, ask_at=ask_at, fps=fps, chunk_frames=chunk_frames, budget=budget,
+                            policy=policy, head_map=head_map, max_new_tokens=max_new_tokens, tp=tp)
     if isinstance(model, LoadedModel):
-        check = RunCheck(schedule, model.device, next(model.model.parameters()).dtype, tp, model.family,
-                         model.processor, model.model.config)
+        check.device, check.dtype = model.device, next(model.model.parameters()).dtype
+        check.family, check.processor, check.config = model.family, model.processor, model.model.config
     else:
-        resolved = usage(lambda: resolve_device(device) if tp == 1 else tp_device(device))
-        check = RunCheck(schedule, resolved, usage(lambda: resolve_dtype(dtype, resolved)), tp)
+        check.device = usage(lambda: resolve_device(device) if check.tp == 1 else tp_device(device))
+        check.dtype = usage(lambda: resolve_dtype(dtype, check.device))
         check.config, check.family = check_checkpoint(model)
-        if tp > 1:
-            check_tp_model(check.config, check.family, tp)
+        if check.tp > 1:
+            check_tp_model(check.config, check.family, check.tp)
         check.processor = load_processor(model, check.family)
-    check.keep = check.family.kept_size(check.processor, *source)
+    get_policy(policy)
+    check.keep = check.family.kept_size(check.processor, *check.size)
+    fps = float(as_fraction(fps, "fps"))
     with VideoReader(video) as reader:
         first = next(usage(lambda: reader.chunks(fps, chunk_frames, keep=check.keep)))
     if len(first.times) < chunk_frames:
         raise UsageError(f"video: {len(first.times)} frames sampled at {fps:g} fps, fewer than one chunk of "
                          f"{chunk_frames}; lower --chunk-frames or raise --fps")
-    late = [when for when, _ in schedule if duration is not None and when > duration]
+    late = [when for when, _ in check.schedule if check.duration is not None and when > check.duration]
     if late:
-        raise UsageError(f"ask_at: {late[0]:g} s is past the end of the video ({duration:.2f} s): "
+        raise UsageError(f"ask_at: {late[0]:g} s is past the end of the video ({check.duration:.2f} s): "
                          f"{os.fspath(video)}")
     text = check.config.get_text_config()
     if policy == "hermes":
@@ -111,14 +135,17 @@ def check_run(model: str | os.PathLike | "LoadedModel", video: str | os.PathLike
 def policy_kwargs(policy: str, budget: int, head_map: str | os.PathLike | None = None) -> dict:
     """HermesStream keyword arguments that select the KV-cache `policy` and its settings: the one place the CLI
     maps a policy to the stream. "hermes": its budget; "h2svc": policy="h2svc" and the head map file (None: the
-    unprofiled default map, which HermesStream warns about). A head map for HERMES or a missing file is an error
-    before anything loads."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    unprofiled default map, which HermesStream warns about); any other registered policy (docs/policies.md#registry):
+    policy=NAME alone, the policy's own defaults. A name no policy is registered or installed under (checked without
+    importing any), a head map for a policy other than H2SVC or a missing head map file is an error before anything
+    loads."""
+    check_policy_name(policy)
+    if head_map is not None and policy != "h2svc":
+        raise ValueError("head_map: only --policy h2svc takes a head map")
     if policy == "hermes":
-        if head_map is not None:
-            raise ValueError("head_map: only --policy h2svc takes a head map")
         return {"budget": budget}
+    if policy != "h2svc":
+        return {"policy": policy}
     if head_map is not None and not os.path.isfile(os.fspath(head_map)):
         raise FileNotFoundError(f"head map: no such file: {os.fspath(head_map)}")
     return {"policy": policy, "head_map": None if head_map is None else os.fspath(head_map)}
@@ -166,6 +193,8 @@ def _question(question) -> str:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
@@ -186,7 +215,8 @@ def run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, que
     fps:           frames sampled per second of video, by timestamp (`hermes.video`).
     chunk_frames:  frames per chunk (the cache is sized for one chunk; fewer frames in all is a ValueError).
     budget:        visual tokens kept per layer (HERMES).
-    policy:        "hermes" or "h2svc" (docs/h2svc.md); head_map: an H2SVC head map file (`hermes-profile`,
+    policy:        "hermes", "h2svc" (docs/h2svc.md) or another registered name (`hermes.registry.policy_names()`,
+                   built with its own defaults); head_map: an H2SVC head map file (`hermes-profile`,
                    `hermes.profile_cli`; None: the unprofiled default map, with a warning).
     device, dtype: used when `model` is a path (default: cuda if available; bfloat16 on cuda, float32 on cpu).
     progress:      a tqdm bar on stderr with each chunk's latency and the cache size.
@@ -308,8 +338,9 @@ def parser() -> argparse.ArgumentParser:
                         "fewer frames than one chunk is an error")
     p.add_argument("--budget", type=int, default=6000,
                    help="visual tokens kept per layer, --policy hermes (default 6000)")
-    p.add_argument("--policy", choices=POLICIES, default="hermes",
-                   help="KV-cache policy: hermes (default) or h2svc (per-head frame memories)")
+    p.add_argument("--policy", default="hermes", metavar="NAME",
+                   help="KV-cache policy: hermes (default), h2svc (per-head frame memories) or one an installed "
+                        "package registers (docs/policies.md#registry)")
     p.add_argument("--head-map", metavar="PATH", default=None,
                    help="--policy h2svc: head map from hermes-profile (checked against "
                         "the model); default: the unprofiled depth-order map, with a warning")
@@ -342,10 +373,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # under torchrun every rank runs the same calls; the first prints, the others are silent
     rank = int(os.environ.get("RANK", "0")) if (args.tp or 1) > 1 else 0
 
-    def body() -> None:
+    def check() -> None:
         if (args.tp or 1) > 1 and not (args.question or args.ask_at):
             raise UsageError("question: under --tp pass the questions with --question or --ask-at (standard input "
                              "reaches one process only)")
+        check_arguments(args.model, args.video, ask_at=args.ask_at, fps=args.fps, chunk_frames=args.chunk_frames,
+                        budget=args.budget, policy=args.policy, head_map=args.head_map,
+                        max_new_tokens=args.max_new_tokens, tp=args.tp)
+
+    def body() -> None:
         questions = args.question or (terminal_questions() if not args.ask_at else ())
         run(args.model, args.video, questions=questions, ask_at=args.ask_at, fps=args.fps,
             chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy, head_map=args.head_map,
@@ -353,4 +389,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             on_record=(lambda record: _print_record(record, args.json)) if rank == 0 else None,
             progress=not args.quiet and rank == 0, tp=args.tp)
 
-    return run_main(args, body, rank)
+    return run_main(args, body, rank, check)

@@ -6,6 +6,9 @@ processes under torchrun (`check_tp`, `tp_device`, `check_tp_model`: docs/multi-
 Checkpoints are a trust boundary: `check_checkpoint`, `load_processor` and `load_model` are the one place a
 checkpoint is read, from local files only and never running code shipped with it (`LOCAL_ONLY`);
 docs/security.md#checkpoints.
+
+Importing this module imports neither torch nor transformers (each function imports what it needs), so a command's
+--help and its refusals of a bad setting or a missing file answer before anything heavy loads (`run_main`).
 """
 from __future__ import annotations
 
@@ -19,17 +22,31 @@ import sys
 import textwrap
 import types
 import warnings
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
+from hermes import require_transformers
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # --dtype's names: torch's dtypes of those names
 # keyword arguments of every from_pretrained on a checkpoint: nothing from the network, no code of the checkpoint's
 LOCAL_ONLY = types.MappingProxyType({"local_files_only": True, "trust_remote_code": False})
 
 
 class UsageError(ValueError):
     """A setting that cannot work with these inputs (the command exits with status 2)."""
+
+
+def check_positive_int(name: str, value, allow_none: bool = False) -> int | None:
+    """`hermes_kernels.checks.check_positive_int` for the commands' checks, which run before the kernel library (and
+    torch with it) is imported: a positive int (None too when `allow_none`), returned; ValueError naming `name`
+    otherwise."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
 
 
 def usage(check: Callable[[], object]):
@@ -100,6 +117,8 @@ def weights_options(path: str) -> dict:
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """torch.device from a name; None picks cuda when available, else cpu. ValueError for a device that is
     not there."""
+    import torch
+
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -115,14 +134,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 on CUDA and float32 on CPU; otherwise a name from DTYPES or a torch.dtype."""
+    """"auto" is bfloat16 on CUDA and float32 on CPU; otherwise a name from DTYPE_NAMES or the torch.dtype of one."""
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    dtypes = {name: getattr(torch, name) for name in DTYPE_NAMES}
+    if isinstance(dtype, torch.dtype) and dtype in dtypes.values():
         return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype: expected auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    if isinstance(dtype, str) and dtype in dtypes:
+        return dtypes[dtype]
+    raise ValueError(f"dtype: expected auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
 
 
 def check_tp(tp: int | None, command: str = "hermes") -> int:
@@ -148,6 +170,8 @@ def check_tp(tp: int | None, command: str = "hermes") -> int:
 def tp_device(device: str | torch.device | None) -> torch.device:
     """This rank's device under tensor parallelism: transformers places every rank's shards on cuda:LOCAL_RANK when
     torch sees CUDA, else on the CPU. `device` may name the same type only (no index). ValueError otherwise."""
+    import torch
+
     local = int(os.environ["LOCAL_RANK"])
     if not torch.cuda.is_available():
         target = torch.device("cpu")
@@ -226,7 +250,9 @@ def run_command(body: Callable[[], None], show_traceback: bool = False, rank: in
         if show_traceback:
             raise
         message = " ".join(str(err).split()) or type(err).__name__
-        if not isinstance(err, (ValueError, OSError, ImportError, torch.OutOfMemoryError)):
+        torch = sys.modules.get("torch")  # out of memory needs torch imported: a refusal before that is never one
+        out_of_memory = () if torch is None else (torch.OutOfMemoryError,)
+        if not isinstance(err, (ValueError, OSError, ImportError, *out_of_memory)):
             message = f"internal error ({type(err).__name__}: {message}); rerun with --traceback for details"
         if rank == 0 or not isinstance(err, UsageError):
             print(f"error: {'' if rank == 0 else f'rank {rank}: '}{message}", file=sys.stderr)
@@ -254,7 +280,7 @@ def command_parser(prog: str, description: str, epilog: Sequence[str], model_hel
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="PATH", help=model_help)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+    p.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
                    help="model dtype (default auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of torch (default: torch's choice; 1 avoids OpenMP spin-waits on a busy machine)")
@@ -263,21 +289,26 @@ def command_parser(prog: str, description: str, epilog: Sequence[str], model_hel
     return p
 
 
-def run_main(args: argparse.Namespace, body: Callable[[], None], rank: int = 0) -> int:
-    """Run a command's `body` for parsed `args` under the error contract (`run_command`, with this process's
-    `rank` under torchrun): transformers' load-time notices silenced (and its progress bars with --quiet or on a
-    rank other than the first), --threads checked and applied first."""
-    from transformers.utils import logging as transformers_logging
-
-    from hermes_kernels.checks import check_positive_int
-
-    transformers_logging.set_verbosity_error()  # load-time notices would bury the progress bars and the output
-    if args.quiet or rank:
-        transformers_logging.disable_progress_bar()
-
+def run_main(args: argparse.Namespace, body: Callable[[], None], rank: int = 0,
+             check: Callable[[], None] | None = None) -> int:
+    """Run a command for parsed `args` under the error contract (`run_command`, with this process's `rank` under
+    torchrun): --threads checked; `check()`, the command's checks that import neither torch nor transformers (its
+    settings and files: a refusal answers at once); then transformers imported (or one line saying what to install),
+    its load-time notices silenced (and its progress bars with --quiet or on a rank other than the first), --threads
+    applied; then `body()`."""
     def command() -> None:
-        if args.threads is not None:
-            torch.set_num_threads(usage(lambda: check_positive_int("threads", args.threads)))
+        threads = usage(lambda: check_positive_int("threads", args.threads, allow_none=True))
+        if check is not None:
+            check()
+        require_transformers()
+        import torch
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()  # load-time notices would bury the progress bars and the output
+        if args.quiet or rank:
+            transformers_logging.disable_progress_bar()
+        if threads is not None:
+            torch.set_num_threads(threads)
         body()
 
     return run_command(command, args.traceback, rank)

@@ -1,16 +1,14 @@
 """The policy contract of the streaming front: `StreamSetup` (everything a policy is built from, complete before the
-policy exists), `StreamPolicy` (what a policy implements) and the registry the front finds policies in
-(docs/policies.md).
+policy exists) and `StreamPolicy` (what a policy implements) (docs/policies.md).
 
 A policy is a config, a cache (`hermes.cache.StreamCacheBase`) and `append_chunk`, what runs after each chunk of
 video is encoded; the front (`hermes.stream.HermesStream`) does the rest, the same way for every policy. Policies
-register by name (`register_policy`); the built-in ones, "hermes" and "h2svc", are imported on first lookup, so the
-front imports no policy.
+register by name (`register_policy`, from `hermes.registry`, where the front finds them); the built-in ones,
+"hermes" and "h2svc", and installed packages' are imported on first lookup, so the front imports no policy.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
@@ -18,6 +16,8 @@ import torch
 from hermes.linear_state import LINEAR, LinearLayout, layer_kinds
 from hermes.models import ModelFamily, family_of
 from hermes.parallel import HeadShard, head_shard
+# the registry, importable from here beside the base class a policy subclasses (docs/policies.md#registry)
+from hermes.registry import get_policy, policy_names, register_policy  # noqa: F401
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.dispatch import check_backend
 from hermes_kernels.geometry import ModelGeometry
@@ -25,10 +25,6 @@ from hermes_kernels.geometry import ModelGeometry
 if TYPE_CHECKING:
     from hermes.cache import StreamCacheBase
     from hermes.models import VideoChunk
-
-# the built-in policies: name -> the module that registers it (imported on first lookup)
-_BUILT_IN = {"hermes": "hermes.policies.hermes.policy", "h2svc": "hermes.policies.h2svc.policy"}
-_REGISTERED: dict[str, type["StreamPolicy"]] = {}
 
 
 def attention_layers(model: torch.nn.Module, family: ModelFamily | None = None) -> list[torch.nn.Module]:
@@ -161,34 +157,3 @@ class StreamPolicy:
         """Pooled guidance attention float32 [L, B, V] over the cache as it is, for policies that score with a
         guidance pass (HERMES); the others refuse."""
         raise ValueError(f"guidance_scores: the {type(self).__name__} runs no guidance pass")
-
-
-def register_policy(cls: type[StreamPolicy]) -> type[StreamPolicy]:
-    """Register a `StreamPolicy` subclass under its `name` (usable as a class decorator); the same class again changes
-    nothing, a name taken by another class is refused (a built-in name too, before its module was ever imported), and
-    so is anything but a named policy class (docs/policies.md#registry)."""
-    if not (isinstance(cls, type) and issubclass(cls, StreamPolicy)):
-        raise TypeError(f"policy: expected a StreamPolicy subclass, got {cls!r}")
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"policy: {cls.__name__} needs a class attribute `name` (a non-empty string)")
-    if name in _BUILT_IN and name not in _REGISTERED and cls.__module__ != _BUILT_IN[name]:
-        importlib.import_module(_BUILT_IN[name])  # registers the built-in, which then holds the name
-    if _REGISTERED.get(name, cls) is not cls:
-        raise ValueError(f"policy: the name {name!r} is taken by {_REGISTERED[name].__name__}")
-    _REGISTERED[name] = cls
-    return cls
-
-
-def policy_names() -> list[str]:
-    """The names a stream can be built with: the built-in policies and every registered one."""
-    return sorted(set(_BUILT_IN) | set(_REGISTERED))
-
-
-def get_policy(name: str) -> type[StreamPolicy]:
-    """The policy class registered as `name` (a built-in one is imported first); ValueError naming `policy`."""
-    if name not in _REGISTERED and name in _BUILT_IN:
-        importlib.import_module(_BUILT_IN[name])
-    if name not in _REGISTERED:
-        raise ValueError(f"policy: expected one of {policy_names()}, got {name!r}")
-    return _REGISTERED[name]

@@ -1,16 +1,20 @@
 """`hermes-profile`: profile a checkpoint's attention heads on sample videos and write the H2SVC head map
 (`hermes.policies.h2svc.profile` does the profiling; docs/cli.md#profiling-heads-for-h2svc). The parser scaffold and
-the error contract are the `hermes` command's (`hermes.commands`)."""
+the error contract are the `hermes` command's (`hermes.commands`). The profiler, torch and transformers are imported
+once the command line parsed (`main`), so --help and a bad option answer at once."""
 from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from hermes.commands import UsageError, check_checkpoint, command_parser, load_model, resolve_device, run_main, usage
-from hermes.policies.h2svc.head_map import HeadProfile, save_head_map
-from hermes.policies.h2svc.profile import DEFAULT_QUESTIONS, check_inputs, profile_heads
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES
+
+if TYPE_CHECKING:
+    from hermes.policies.h2svc.head_map import HeadProfile
+
+# the profiler's default question (`hermes.policies.h2svc.profile.DEFAULT_QUESTIONS`, which imports torch), for --help
+DEFAULT_QUESTION = "What is happening in the video?"
 
 
 def parser():
@@ -36,7 +40,7 @@ def parser():
                         "grow with the square of the clip's tokens)")
     p.add_argument("--question", action="append", default=None, metavar="TEXT",
                    help=f"question asked after each clip, the text queries of TAD_T2V (repeatable; default "
-                        f"{DEFAULT_QUESTIONS[0]!r})")
+                        f"{DEFAULT_QUESTION!r})")
     p.add_argument("--answer-tokens", type=int, default=0,
                    help="greedy answer tokens fed back as more text queries (default 0)")
     p.add_argument("--instant-ratio", type=float, default=0.1, help="share of instant heads (default 0.1)")
@@ -50,6 +54,8 @@ def parser():
 def summary(profile: HeadProfile, path: str) -> str:
     """What the command prints: the file, the model, the class counts, then one line per layer with a letter
     per KV head (i instant, s short, e episodic)."""
+    from hermes_kernels.policies.h2svc.config import CLASS_NAMES
+
     counts = ", ".join(f"{name} {count}" for name, count in zip(CLASS_NAMES, profile.counts()))
     frames = sum(clip["frames"] for clip in profile.clips)
     lines = [f"wrote {path}: {profile.model_type} ({profile.model_name or 'unnamed'}), {profile.num_layers} layers "
@@ -63,22 +69,28 @@ def summary(profile: HeadProfile, path: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, check the inputs, load, profile, write; returns the exit status."""
     args = parser().parse_args(argv)
-    questions = args.question or DEFAULT_QUESTIONS
 
     def body() -> None:
+        from hermes.policies.h2svc.head_map import save_head_map
+        from hermes.policies.h2svc.profile import DEFAULT_QUESTIONS, check_settings, profile_heads
+        from hermes.video import VideoClip
+
+        questions = args.question or DEFAULT_QUESTIONS
         if (args.tp or 1) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UsageError("tp: hermes-profile runs in one process (it ranks every head of every layer together); "
                              "run it without torchrun and without --tp")
         usage(lambda: resolve_device(args.device))
         check_checkpoint(args.model)
-        check_inputs(args.videos, fps=args.fps, chunk_frames=args.chunk_frames, questions=questions,
-                     instant_ratio=args.instant_ratio, short_ratio=args.short_ratio, max_frames=args.max_frames,
-                     answer_tokens=args.answer_tokens)
+        settings = dict(fps=args.fps, chunk_frames=args.chunk_frames, questions=questions,
+                        instant_ratio=args.instant_ratio, short_ratio=args.short_ratio, max_frames=args.max_frames,
+                        answer_tokens=args.answer_tokens)
+        usage(lambda: check_settings(**settings))
+        clips = [VideoClip(path) for path in args.videos]  # FileNotFoundError / ValueError "video: ..."
         folder = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"out: no such folder: {folder}")
         loaded = load_model(args.model, args.device, args.dtype)
-        profile = profile_heads(loaded.model, loaded.processor, args.videos, fps=args.fps,
+        profile = profile_heads(loaded.model, loaded.processor, clips, fps=args.fps,
                                 chunk_frames=args.chunk_frames, questions=questions,
                                 instant_ratio=args.instant_ratio, short_ratio=args.short_ratio,
                                 max_frames=args.max_frames, answer_tokens=args.answer_tokens,

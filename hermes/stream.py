@@ -22,12 +22,13 @@ from hermes_kernels.dispatch import check_backend
 
 
 class HermesStream:
-    """A KV-cache policy (HERMES by default) over a loaded LLaVA-OneVision, Qwen2.5-VL or Qwen3-VL model, for
-    `batch_size` streams in lockstep.
+    """A KV-cache policy (HERMES by default) over a loaded model of a registered family (`hermes.models.FAMILIES`:
+    LLaVA-OneVision, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE; docs/families.md), for `batch_size` streams in
+    lockstep.
 
     Args:
-        model:        a loaded `LlavaOnevisionForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration` or
-                      `Qwen3VLForConditionalGeneration`;
+        model:        a loaded model of a registered family (e.g. `LlavaOnevisionForConditionalGeneration`,
+                      `Qwen3VLForConditionalGeneration`, `Qwen3_5ForConditionalGeneration`);
                       its language model's attention is switched to "hermes" (`hermes.attention`).
         processor:    the model's processor (its tokenizer and video processor are used) or a tokenizer.
         policy:       the cache policy by its registered name (`hermes.policy.policy_names()`): "hermes"

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hermes.cli import POLICIES, policy_kwargs
+from hermes.cli import policy_kwargs
+from hermes.registry import check_policy_name, get_policy
 from hermes.video import as_fraction
 from hermes_kernels.checks import REINDEX_MODES, check_positive_int
 from hermes_kernels.dispatch import check_backend
 
 REINDEX_CHOICES = ("auto", *REINDEX_MODES)  # auto: eager for offline requests, lazy for multi-round ones
+REINDEXING = ("hermes", "h2svc")  # the policies that take a re-indexing mode; another keeps its own defaults
 DEFAULT_BUDGET = 6000
 
 
@@ -24,11 +26,12 @@ class EvalSettings:
     """What one `lmms-eval --model hermes` run streams with (docs/evaluation.md#model-args).
 
     pretrained:     local checkpoint folder (llava_onevision, qwen2_5_vl or qwen3_vl).
-    policy:         "hermes" or "h2svc".
+    policy:         "hermes", "h2svc" or another registered name (docs/policies.md#registry), built with its own
+                    defaults.
     budget:         HERMES: visual tokens kept per layer; None under H2SVC.
     head_map:       H2SVC: a head map file from hermes-profile, or None (the unprofiled default map, warned).
     reindex:        "auto" (eager for generate_until / loglikelihood, lazy for generate_until_multi_round),
-                    "lazy" or "eager".
+                    "lazy" or "eager"; passed to the policies of REINDEXING only.
     fps:            frames sampled per second of video, by timestamp.
     chunk_frames:   sampled frames per appended chunk.
     device, dtype:  None / "auto" resolve as the `hermes` command resolves them.
@@ -59,8 +62,10 @@ class EvalSettings:
         return "lazy" if request_type == "generate_until_multi_round" else "eager"
 
     def stream_kwargs(self, request_type: str) -> dict:
-        """HermesStream's policy keyword arguments (the `hermes` command's mapping, plus the re-indexing mode)."""
-        return {**policy_kwargs(self.policy, self.budget, self.head_map), "reindex": self.reindex_for(request_type)}
+        """HermesStream's policy keyword arguments (the `hermes` command's mapping, plus the re-indexing mode for
+        the policies that take one)."""
+        kwargs = policy_kwargs(self.policy, self.budget, self.head_map)
+        return {**kwargs, "reindex": self.reindex_for(request_type)} if self.policy in REINDEXING else kwargs
 
 
 def parse_model_args(pretrained=None, policy="hermes", budget=None, head_map=None, reindex="auto", fps=1.0,
@@ -84,18 +89,20 @@ def parse_model_args(pretrained=None, policy="hermes", budget=None, head_map=Non
         errors.append("pretrained: required: a local checkpoint folder (pretrained=PATH)")
     elif not isinstance(pretrained, str) or not os.path.isdir(pretrained):
         errors.append(f"pretrained: no such folder: {pretrained} (expected a local checkpoint folder)")
-    if policy not in POLICIES:
-        errors.append(f"policy: expected one of {POLICIES}, got {policy!r}")
-    elif policy == "h2svc" and budget is not None:
-        errors.append("budget: only policy=hermes takes a budget (H2SVC keeps frames in its windows)")
+    known = check("policy", lambda: check_policy_name(policy)) is not None  # no policy module imported
+    if known and policy != "hermes" and budget is not None:
+        errors.append(f"budget: only policy=hermes takes a budget; policy={policy} takes none")
     elif policy == "hermes":
         budget = check("budget", lambda: check_positive_int("budget", DEFAULT_BUDGET if budget is None else budget))
-    if head_map is not None and policy == "hermes":
+    if head_map is not None and known and policy != "h2svc":
         errors.append("head_map: only policy=h2svc takes a head map")
-    elif head_map is not None and policy in POLICIES:
+    elif head_map is not None and known:
         check("head_map", lambda: policy_kwargs(policy, DEFAULT_BUDGET, os.fspath(head_map)))
     if reindex not in REINDEX_CHOICES:
         errors.append(f"reindex: expected one of {REINDEX_CHOICES}, got {reindex!r}")
+    elif known and reindex != "auto" and policy not in REINDEXING:
+        errors.append(f"reindex: only policy=hermes and policy=h2svc take a re-indexing mode; policy={policy} "
+                      f"takes none (leave reindex=auto)")
     fps = check("fps", lambda: float(as_fraction(fps, "fps")))
     for name, value in (("chunk_frames", chunk_frames), ("max_new_tokens", max_new_tokens), ("room", room)):
         check(name, lambda: check_positive_int(name, value))
@@ -131,17 +138,18 @@ def _device(value) -> str | None:
 
 
 def _dtype(value) -> str:
-    from hermes.commands import DTYPES
+    from hermes.commands import DTYPE_NAMES
 
-    if value != "auto" and value not in DTYPES:
-        raise ValueError(f"dtype: expected auto or one of {sorted(DTYPES)}, got {value!r}")
+    if value != "auto" and value not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected auto or one of {sorted(DTYPE_NAMES)}, got {value!r}")
     return value
 
 
 def check_checkpoint_settings(settings: EvalSettings):
-    """(config, family, processor) of the checkpoint, read without its weights; ValueError naming the argument when
-    its model type is not supported, its positions cannot hold the budget, or the head map was profiled on another
-    model."""
+    """(config, family, processor) of the checkpoint, read without its weights, and the policy's class (an installed
+    package's is imported here, before the weights); ValueError naming the argument when its model type is not
+    supported, its positions cannot hold the budget, or the head map was profiled on another model; ImportError
+    naming the package when the policy's cannot be imported."""
     from hermes.commands import check_checkpoint
     from hermes.models.processing import load_processor
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
@@ -152,6 +160,7 @@ def check_checkpoint_settings(settings: EvalSettings):
     except (OSError, ValueError) as err:
         raise ValueError(f"pretrained: {settings.pretrained}: {err}") from err
     processor = load_processor(settings.pretrained, family)
+    get_policy(settings.policy)
     text = config.get_text_config()
     if settings.policy == "hermes":
         tokenizer = getattr(processor, "tokenizer", processor)

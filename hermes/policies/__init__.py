@@ -1,2 +1,3 @@
 """The policies behind the streaming front, one folder each with the same file names (`policy`, `cache`,
-`attention`); the contract they implement and the registry the front finds them in are `hermes.policy`."""
+`attention`); the contract they implement is `hermes.policy`, the registry the front finds them in (these and
+installed packages' policies) `hermes.registry`."""

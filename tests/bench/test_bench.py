@@ -1,7 +1,7 @@
 """Smoke benchmarks of every stage x backend (pytest-benchmark) and checks of the harness itself.
 
-    pytest tests/bench/test_bench.py --benchmark-autosave          # save a run
-    pytest tests/bench/test_bench.py --benchmark-compare           # compare with the last saved one
+    pytest tests/bench/test_bench.py --benchmark-enable --benchmark-autosave   # time and save a run
+    pytest tests/bench/test_bench.py --benchmark-enable --benchmark-compare    # compare with the last one
 
 Sizes are tiny (seconds in total): these cases keep the harness and every backend's entry points runnable,
 they are not the numbers to quote (those come from `python -m bench`). Triton is timed only on CUDA: on CPU
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,7 +184,7 @@ def test_csv_appends_with_one_header(tmp_path):
 
 def test_quick_main_job_runs(tmp_path, capsys):
     """`python -m bench --quick` end to end (the CI smoke run of the main job), into a temp folder."""
-    code = cli.main(["--quick", "--results-dir", str(tmp_path)])
+    code = cli.main(["--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert (tmp_path / f"{report.device_kind(DEVICE)}.csv").stat().st_size > 0
@@ -261,3 +262,43 @@ def test_the_first_run_is_the_headline_and_full_is_the_grid(device):
     assert full.budgets == [4000, 6000] and len(full.chunks) >= 2
     with pytest.raises(SystemExit):
         cli.parse_args(["--full", "--quick"])
+
+
+def test_a_run_writes_to_a_folder_git_ignores(tmp_path, monkeypatch):
+    """Without --out a run writes its CSV and plot under bench/out/, which git ignores (the committed records under
+    bench/results/ stay as they are); --out DIR moves them."""
+    import subprocess
+
+    from tests.utils import REPO
+    assert cli.OUT_DIR == Path(REPO) / "bench" / "out"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(cli.OUT_DIR / "cpu.csv")], cwd=REPO)
+    assert ignored.returncode == 0, "bench/out/ is not ignored by git"
+    monkeypatch.setattr(cli, "OUT_DIR", tmp_path / "default")
+    small = ["--shapes", "smoke-1d", "--budgets", "64", "--chunks", "1", "--stages", "step", "--repeats", "1",
+             "--reference-repeats", "1", "--warmup", "0", "--no-e2e", "--no-memory"]
+    assert cli.main(small) == 0
+    assert sorted(p.name for p in (tmp_path / "default").iterdir()) == ["cpu.csv", "cpu.png"]
+    assert cli.main([*small, "--no-plot", "--out", str(tmp_path / "given")]) == 0
+    assert [p.name for p in (tmp_path / "given").iterdir()] == ["cpu.csv"]
+
+
+def test_the_plot_divides_each_stage_by_its_floor_and_its_reference():
+    """Per shape and dtype: every stage of either policy with a floor, each backend's median / copy floor; every
+    non-reference backend's median / the reference median at the same point (the released-style one for the
+    released stages), failed rows left out."""
+    from bench.plot import panels
+
+    def row(stage, backend, median, budget=64, floor=None, status="ok"):
+        return report.Row(stage=stage, backend=backend, shape="s", budget=budget, chunk=2, dtype="float32",
+                          batch=1, reindex="eager", num_tokens=10, status=status, median_ms=median,
+                          floor_ratio=floor)
+    rows = [row("step", "reference", 8.0, floor=40.0), row("step", "torch", 2.0, floor=10.0),
+            row("h2svc_step", "reference", 6.0, budget=0, floor=30.0), row("h2svc_step", "torch", 3.0, budget=0,
+                                                                            floor=15.0),
+            row("released_step", "released", 10.0), row("released_step", "torch", 1.0),
+            row("select", "torch", 5.0), row("step", "torch-ops", 4.0, status="error: boom")]
+    floor, reference = panels(rows)[("s", "float32")]
+    assert floor == {"step\nb=64 c=2": {"reference": 40.0, "torch": 10.0},
+                     "h2svc_step\nc=2": {"reference": 30.0, "torch": 15.0}}
+    assert reference == {"step\nb=64 c=2": {"torch": 0.25}, "h2svc_step\nc=2": {"torch": 0.5},
+                         "released_step\nb=64 c=2": {"torch": 0.1}}

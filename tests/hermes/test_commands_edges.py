@@ -1,7 +1,8 @@
 """hermes.commands at its edges, in-process: the tensor-parallel checks against the variables torchrun sets, each
 rank's device (CUDA stood in for by patching torch.cuda's answers), device and dtype names, what `load_model` hands
-to transformers with and without --tp (a recording stand-in for `from_pretrained`), and `run_main`'s settings.
-Whole runs: test_cli.py, test_commands.py and the tensor-parallel tests."""
+to transformers with and without --tp (a recording stand-in for `from_pretrained`), `run_main`'s settings, and the
+commands' positive-int check against the kernel library's. Whole runs: test_cli.py, test_commands.py and the
+tensor-parallel tests."""
 import argparse
 import pickle
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from hermes import commands
+from hermes_kernels import checks
 from hermes.commands import UsageError, check_tp, load_model, resolve_device, resolve_dtype, run_command, run_main, \
     tp_device
 
@@ -283,3 +285,17 @@ def test_load_model_without_tp_loads_in_each_process_of_a_launch(tiny_checkpoint
     launched(alone, 2, local=1)
     loaded = load_model(tiny_checkpoints["llava_onevision"], device="cpu", processor="p")
     assert loaded.model.moved == [torch.device("cpu")] and "distributed_config" not in from_pretrained[0][1]
+
+
+@pytest.mark.parametrize("allow_none", [False, True])
+@pytest.mark.parametrize("value", [1, 7, 0, -3, 2.0, True, None, "3"])
+def test_the_commands_positive_int_check_answers_as_the_kernel_library_s(value, allow_none):
+    """`hermes.commands.check_positive_int` runs before the kernel library is imported (tests/hermes/test_imports.py):
+    the same value returned or the same error as `hermes_kernels.checks.check_positive_int`."""
+    outcomes = []
+    for check in (commands.check_positive_int, checks.check_positive_int):
+        try:
+            outcomes.append(check("n", value, allow_none))
+        except ValueError as err:
+            outcomes.append(str(err))
+    assert outcomes[0] == outcomes[1]

@@ -11,7 +11,8 @@ import torch
 from hermes import profile_cli
 from hermes.commands import load_model
 from hermes.policies.h2svc.head_map import HeadProfile, load_head_map
-from hermes.policies.h2svc.profile import profile_heads
+from hermes.policies.h2svc.profile import DEFAULT_QUESTIONS, profile_heads
+from hermes.video import VideoClip
 from tests.hermes.video_files import write_video
 from tests.utils import error_line
 
@@ -35,9 +36,9 @@ def test_every_option_reaches_the_profiler(tiny_checkpoints, clip, tmp_path, cap
     assert profile_cli.main(argv) == 0
     printed = capsys.readouterr()
     loaded = load_model(checkpoint, "cpu", "bfloat16")
-    expected = profile_heads(loaded.model, loaded.processor, [clip, clip], fps=2.0, chunk_frames=3, max_frames=5,
-                             questions=["what is shown ?", "where ?"], answer_tokens=1, instant_ratio=0.25,
-                             short_ratio=0.25, progress=False)
+    expected = profile_heads(loaded.model, loaded.processor, [VideoClip(clip), VideoClip(clip)], fps=2.0,
+                             chunk_frames=3, max_frames=5, questions=["what is shown ?", "where ?"], answer_tokens=1,
+                             instant_ratio=0.25, short_ratio=0.25, progress=False)
     written = load_head_map(out, loaded.model)
     assert written.settings == expected.settings and written.settings["dtype"] == "bfloat16"
     assert written.clips == expected.clips and len(written.clips) == 2 and written.clips[0]["frames"] == 5
@@ -125,6 +126,12 @@ def test_help_is_as_written(monkeypatch, capsys):
     assert exit_info.value.code == 0
     assert capsys.readouterr().out == (HELP / "hermes-profile.txt").read_text()
     assert isinstance(profile_cli.parser(), argparse.ArgumentParser)
+
+
+def test_help_states_the_profiler_s_own_default_question():
+    """--help quotes the default question without importing the profiler (tests/hermes/test_imports.py); the run
+    asks the profiler's DEFAULT_QUESTIONS: the two agree."""
+    assert DEFAULT_QUESTIONS == (profile_cli.DEFAULT_QUESTION,)
 
 
 @pytest.mark.parametrize("option,value,name", [("--max-frames", "0", "max_frames"), ("--answer-tokens", "-1",

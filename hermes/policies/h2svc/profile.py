@@ -8,7 +8,6 @@ docs/cli.md#profiling-heads-for-h2svc.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
@@ -19,10 +18,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from hermes.commands import UsageError, usage
 from hermes.linear_state import LINEAR, layer_kinds
 from hermes.models import family_of
-from hermes.video import VideoReader, as_fraction
 from hermes_kernels.checks import check_positive_int
 from hermes_kernels.policies.h2svc.config import class_counts
 from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores
@@ -39,29 +36,28 @@ TEXT_QUERIES = ("the tokens of family.question_text(question) after the whole cl
 # clips
 # ---------------------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
 class _Clip:
-    """One sample clip: a video file (decoded and sampled at fps by `hermes.video`) or frames already sampled,
-    uint8 [F, H, W, 3] RGB."""
+    """One sample clip: frames already sampled, uint8 [F, H, W, 3] RGB, or a clip object that samples its own (a
+    `name`, `duration` in seconds or None, and `chunks(fps, chunk_frames)` yielding uint8 [F, H, W, 3] arrays:
+    `hermes.video.VideoClip` for a video file)."""
 
-    source: str | np.ndarray
+    def __init__(self, source):
+        self.source = source
 
     @property
     def name(self) -> str:
-        if isinstance(self.source, str):
-            return self.source
-        return f"array{list(self.source.shape)}"
+        if isinstance(self.source, np.ndarray):
+            return f"array{list(self.source.shape)}"
+        return str(self.source.name)
 
     def expected_chunks(self, fps: float, chunk_frames: int, max_frames: int | None) -> int | None:
-        """Chunks the progress bar expects (from the file's header duration; None when it has none)."""
-        if isinstance(self.source, str):
-            with VideoReader(self.source) as reader:
-                duration = reader.duration
-            if duration is None:
-                return None
-            frames = int(duration * fps) + 1
-        else:
+        """Chunks the progress bar expects (from a clip's duration; None when it has none)."""
+        if isinstance(self.source, np.ndarray):
             frames = self.source.shape[0]
+        elif self.source.duration is None:
+            return None
+        else:
+            frames = int(self.source.duration * fps) + 1
         if max_frames is not None:
             frames = min(frames, max_frames)
         return -(-frames // chunk_frames)
@@ -69,54 +65,59 @@ class _Clip:
     def chunks(self, fps: float, chunk_frames: int, max_frames: int | None) -> Iterator[np.ndarray]:
         """uint8 [F, H, W, 3] chunks of at most chunk_frames frames, max_frames in all (None: every frame)."""
         left = math.inf if max_frames is None else max_frames
-        if isinstance(self.source, str):
-            with VideoReader(self.source) as reader:
-                for chunk in reader.chunks(fps, chunk_frames):
-                    if left <= 0:
-                        return
-                    frames = chunk.frames[:int(min(left, len(chunk.frames)))]
-                    left -= len(frames)
-                    yield frames
-        else:
+        if isinstance(self.source, np.ndarray):
             frames = self.source[:int(min(left, len(self.source)))]
             for start in range(0, len(frames), chunk_frames):
                 yield frames[start:start + chunk_frames]
+            return
+        for frames in self.source.chunks(fps, chunk_frames):
+            if left <= 0:
+                return
+            frames = frames[:int(min(left, len(frames)))]
+            left -= len(frames)
+            yield frames
 
 
-def check_inputs(videos, *, fps, chunk_frames, questions, instant_ratio, short_ratio, max_frames=None,
-                 answer_tokens=0, query_block=None) -> tuple[list[_Clip], float, tuple[str, ...]]:
-    """Validate `profile_heads`' arguments before any model work (the command calls it before loading the model):
-    the settings (UsageError), then every file exists and PyAV opens it (FileNotFoundError / ValueError). Returns
-    (clips, fps, questions)."""
-    if isinstance(videos, (str, os.PathLike, np.ndarray)):
-        videos = [videos]
-    if not isinstance(videos, Sequence) or not videos:
-        raise ValueError(f"videos: expected video files or uint8 [F, H, W, 3] frame arrays, got {videos!r}")
-    fps = float(usage(lambda: as_fraction(fps, "fps")))
+def check_settings(*, fps, chunk_frames, questions, instant_ratio, short_ratio, max_frames=None, answer_tokens=0,
+                   query_block=None) -> tuple[float, tuple[str, ...]]:
+    """The settings of `profile_heads`, before any clip is read: ValueError naming the argument. Returns (fps,
+    questions)."""
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"fps: expected a positive finite number, got {fps!r}")
     for name, value in (("chunk_frames", chunk_frames), ("max_frames", max_frames), ("query_block", query_block)):
-        usage(lambda: check_positive_int(name, value, allow_none=name != "chunk_frames"))
+        check_positive_int(name, value, allow_none=name != "chunk_frames")
     if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 0:
-        raise UsageError(f"answer_tokens: expected an int >= 0, got {answer_tokens!r}")
+        raise ValueError(f"answer_tokens: expected an int >= 0, got {answer_tokens!r}")
     if isinstance(questions, str):
         questions = (questions,)
     if not isinstance(questions, Sequence) or not questions or \
             any(not isinstance(q, str) or not q.strip() for q in questions):
-        raise UsageError(f"questions: expected one or more non-empty strings, got {questions!r}")
-    usage(lambda: class_counts(1, instant_ratio, short_ratio))  # the ratios alone: each in [0, 1], sum <= 1
+        raise ValueError(f"questions: expected one or more non-empty strings, got {questions!r}")
+    class_counts(1, instant_ratio, short_ratio)  # the ratios alone: each in [0, 1], sum <= 1
+    return float(fps), tuple(q.strip() for q in questions)
+
+
+def check_inputs(videos, **settings) -> tuple[list[_Clip], float, tuple[str, ...]]:
+    """Validate `profile_heads`' arguments before any model work: the settings (`check_settings`), then the clips:
+    frame arrays uint8 [F >= 1, H, W, 3] or clip objects (`hermes.video.VideoClip` for a file, which checked its
+    file when made). ValueError / TypeError naming the argument. Returns (clips, fps, questions)."""
+    if isinstance(videos, np.ndarray) or hasattr(videos, "chunks"):
+        videos = [videos]
+    if isinstance(videos, (str, os.PathLike)) or not isinstance(videos, Sequence) or not videos:
+        raise ValueError(f"videos: expected frame arrays or clips, got {videos!r}")
+    fps, questions = check_settings(**settings)
     clips = []
     for video in videos:
-        if isinstance(video, (str, os.PathLike)):
-            path = os.fspath(video)
-            VideoReader(path).close()  # FileNotFoundError / ValueError "video: ..." for a missing or bad file
-            clips.append(_Clip(path))
-        elif isinstance(video, np.ndarray):
+        if isinstance(video, np.ndarray):
             if video.dtype != np.uint8 or video.ndim != 4 or video.shape[0] < 1 or video.shape[3] != 3:
                 raise ValueError(f"videos: expected frame arrays uint8 [F >= 1, H, W, 3], got {video.dtype} "
                                  f"{list(video.shape)}")
-            clips.append(_Clip(video))
-        else:
-            raise TypeError(f"videos: expected a path or a uint8 [F, H, W, 3] array, got {type(video).__name__}")
-    return clips, fps, tuple(q.strip() for q in questions)
+        elif not all(hasattr(video, name) for name in ("name", "duration", "chunks")):
+            hint = " (a video file: hermes.video.VideoClip(path))" if isinstance(video, (str, os.PathLike)) else ""
+            raise TypeError(f"videos: expected a uint8 [F, H, W, 3] array or a clip{hint}, got "
+                            f"{type(video).__name__}")
+        clips.append(_Clip(video))
+    return clips, fps, questions
 
 
 class _Positions:
@@ -241,8 +242,8 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
     docs/cli.md#profiling-heads-for-h2svc).
 
     model, processor: as for HermesStream (`hermes.commands.load_model` gives both); the model in eval mode.
-    videos:        video files (decoded with PyAV, sampled at `fps` by timestamp) and/or frames already sampled,
-                   uint8 [F, H, W, 3] RGB arrays; each is one clip.
+    videos:        clips: frames already sampled, uint8 [F, H, W, 3] RGB arrays, and/or clip objects that sample
+                   their own at `fps` (`hermes.video.VideoClip(path)` decodes a file with PyAV, by timestamp).
     fps:           frames sampled per second of video (also Qwen2.5-VL's seconds per temporal grid step).
     chunk_frames:  frames per forward, as the stream's chunks (the last chunk of a clip may be shorter).
     questions:     asked, each alone, after every clip (T2V's text queries); default DEFAULT_QUESTIONS.

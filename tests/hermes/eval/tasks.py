@@ -223,9 +223,11 @@ def run_lmms_eval(folder, include_path: str, tasks: str, args: str, batch_size: 
 def new_stream(loaded, frames: np.ndarray, policy: str, head_map: str | None, reindex: str):
     """A batch-1 stream sized from the first chunk (as the `hermes` command sizes it) and its prepared inputs."""
     inputs = loaded.family.prepare_frames(loaded.processor, frames, FPS, start=0.0)
-    policy_args = dict(budget=BUDGET) if policy == "hermes" else dict(policy="h2svc", head_map=head_map)
+    # the plugin's mapping (EvalSettings.stream_kwargs): another policy than the built-ins gets its own defaults
+    policy_args = {"hermes": dict(budget=BUDGET, reindex=reindex),
+                   "h2svc": dict(policy="h2svc", head_map=head_map, reindex=reindex)}.get(policy, dict(policy=policy))
     stream = HermesStream(loaded.model, loaded.processor, chunk_frames=CHUNK_FRAMES,
-                          frame_size=loaded.family.frame_size(loaded.model, inputs), reindex=reindex, **policy_args)
+                          frame_size=loaded.family.frame_size(loaded.model, inputs), **policy_args)
     return stream
 
 
