@@ -191,6 +191,11 @@ class StreamCacheBase(Cache):
     `contents`; `room()`, `length` (the counters' `length`) and `position_range()` have defaults it may override.
     Its in-place step runs through `_step_in_place` after `_check_defined()` and its own validation.
     `step_name` names that step in the message of a cache a failed step left undefined.
+
+    Step timing (a live session's compression_ms, docs/policies.md#cache): while `step_clock` is a clock (a callable
+    returning seconds), every in-place step is read on it before and after, the CUDA devices of the buffers
+    synchronised at both ends (the step's kernels finish inside its time, the prefill's before it), and
+    `step_seconds` grows by the step's duration; None (the default) times and synchronises nothing.
     """
 
     step_name: ClassVar[str] = "step"
@@ -218,6 +223,8 @@ class StreamCacheBase(Cache):
         self.counters = counters
         self._steps = 0
         self._reindexes = 0
+        self.step_clock: Callable[[], float] | None = None
+        self.step_seconds = 0.0  # seconds of the in-place steps timed by step_clock, in all
         # set while an in-place step may have written below the length; only reset() clears it
         self._undefined = False
         self._context: dict | None = None
@@ -576,15 +583,27 @@ class StreamCacheBase(Cache):
         """Run a policy's in-place step (writes below the length), its inputs already validated: `step()` does the
         writes, moves the counters and returns (its result, whether positions were re-indexed). An exception
         escaping it leaves the cache `undefined` (the writes may be half done); on success the step counters
-        move."""
+        move; timed by `step_clock` when set."""
+        clock = self.step_clock
+        if clock is not None:
+            self._synchronize()
+            began = clock()
         self._undefined = True
         result, reindexed = step()
+        if clock is not None:
+            self._synchronize()
+            self.step_seconds += clock() - began
         self._steps += 1
         self._reindexes += int(reindexed)
         self._undefined = False
         if self.linear_states is not None:
             self.linear_states.forget_undo()  # the keys moved: the states' last commit is part of the stream now
         return result
+
+    def _synchronize(self) -> None:
+        # CUDA runs ahead of the host: a step's time is its own only once the devices of its buffers are idle
+        for device in {buffer.device for buffer in self._buffers if buffer.is_cuda}:
+            torch.cuda.synchronize(device)
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator["StreamCacheBase"]:

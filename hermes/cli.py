@@ -5,9 +5,11 @@ records `--json` prints.
     hermes --model PATH --video FILE --question "What is the person holding?"
     hermes --model PATH --video FILE --policy h2svc --head-map map.json --ask-at 30s:"What just happened?" --json
     torchrun --nproc-per-node 2 -m hermes --tp 2 --model PATH --video FILE --question "..."   # docs/multi-gpu.md
+    hermes --model PATH --live rtsp://camera.local/1 --watch "Is the door open?"          # docs/cli.md#live
 
-Every input is checked before any weights load (`check_run`), the settings and the files before torch or
-transformers is even imported (`check_arguments`). Options, errors, records: docs/cli.md.
+Every input is checked before any weights load (`check_run`, `check_live_run`), the settings and the files before
+torch or transformers is even imported (`check_arguments`, `check_live_arguments`). A live run (`--live`, or
+`--video --realtime`) is `hermes.live.command.run_live`. Options, errors, records: docs/cli.md.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from hermes.commands import (LoadedModel, UsageError, check_checkpoint, check_positive_int, check_tp, check_tp_model,
                              checkpoint_folder, command_parser, load_model, load_processor, resolve_device,
                              resolve_dtype, run_main, tp_device, usage)
+from hermes.live.sources import check_live_source
 from hermes.registry import check_policy_name, get_policy
 from hermes.video import VideoReader, as_fraction, parse_time
 
@@ -37,13 +40,14 @@ _ASK_AT = re.compile(r"^\s*(\d+(?::\d+){0,2}(?:\.\d+)?s?)\s*:(.*)$", re.DOTALL)
 class RunCheck:
     """What `check_run` found before any weights load. From `check_arguments`: the question schedule (seconds,
     question), `tp`, the tensor-parallel degree (1: one process), the video's `duration` (seconds, None when its
-    header does not say) and its frames' `size` (height, width). Then the device and dtype, for a checkpoint folder
-    its family, processor and config, and `keep`, the frame size the processor keeps (`VideoReader.chunks`' keep)."""
+    header does not say) and its frames' `size` (height, width); both None for a --live source (known once it
+    opens). Then the device and dtype, for a checkpoint folder its family, processor and config, and `keep`, the
+    frame size the processor keeps (`VideoReader.chunks`' keep; None for a --live source)."""
 
     schedule: list[tuple[float, str]]
     tp: int
     duration: float | None
-    size: tuple[int, int]
+    size: tuple[int, int] | None
     device: torch.device | None = None
     dtype: torch.dtype | None = None
     family: object = None
@@ -60,17 +64,74 @@ def check_arguments(model: str | os.PathLike | LoadedModel, video: str | os.Path
     (the policy's name against the registry, `policy_kwargs`), tp against the processes torchrun started, the
     video's header, the checkpoint folder (a `LoadedModel`: nothing). Returns the RunCheck's schedule, tp, duration
     and size; raises as `check_run`."""
+    schedule = _check_settings(ask_at, fps, chunk_frames, budget, policy, head_map, max_new_tokens)
+    return _check_inputs(model, video, schedule, check_tp(tp))
+
+
+def _check_settings(ask_at: Sequence, fps: float, chunk_frames: int, budget: int, policy: str,
+                    head_map: str | os.PathLike | None, max_new_tokens: int) -> list[tuple[float, str]]:
+    """The settings of every run (a file's or a live one), each refusal a UsageError naming it; a missing head map
+    file a FileNotFoundError. Returns the --ask-at schedule, sorted by time."""
     usage(lambda: as_fraction(fps, "fps"))
     for name, value in (("chunk_frames", chunk_frames), ("budget", budget), ("max_new_tokens", max_new_tokens)):
         usage(lambda: check_positive_int(name, value))
     schedule = usage(lambda: sorted((parse_ask_at(item) for item in ask_at), key=lambda pair: pair[0]))
     usage(lambda: policy_kwargs(policy, budget, head_map))  # a missing head map file: FileNotFoundError
-    tp = check_tp(tp)
+    return schedule
+
+
+def _check_inputs(model: str | os.PathLike | LoadedModel, video: str | os.PathLike,
+                  schedule: list[tuple[float, str]], tp: int) -> RunCheck:
+    """The video file's header, then the checkpoint folder."""
     with VideoReader(video) as reader:  # the header: a video stream of frames of a sane size
         check = RunCheck(schedule, tp, reader.duration, reader.size)
+    _check_folder(model)
+    return check
+
+
+def _check_folder(model: str | os.PathLike | LoadedModel) -> None:
     if not isinstance(model, LoadedModel):
         checkpoint_folder(model)  # its config.json is read (with transformers) by check_run
-    return check
+
+
+def check_live_arguments(model: str | os.PathLike | LoadedModel, source: str | os.PathLike, *, live: bool = True,
+                         questions: Sequence[str] = (), ask_at: Sequence = (), watch: str | None = None,
+                         fps: float = 1.0, chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
+                         head_map: str | os.PathLike | None = None, max_new_tokens: int = 64,
+                         max_lag: float | None = None, open_timeout: float = 10.0, stall_timeout: float = 10.0,
+                         reconnect: int = 0, tp: int | None = None) -> RunCheck:
+    """The checks of `check_live_run` that import neither torch, transformers nor any policy, in this order
+    (docs/cli.md#live): the settings (as `check_arguments`), the questions, the live settings (`max_lag` against the
+    time a chunk takes to arrive, the timeouts, `reconnect`), tp (a live run is one process), the source (--live:
+    its kind, `hermes.live.sources.check_live_source`, and `reconnect` for a URL only; a file, live=False: its
+    header), the checkpoint folder. Every refusal of a setting or of a --live source is one line naming it
+    (UsageError); a missing file or folder as `check_arguments`."""
+    schedule = _check_settings(ask_at, fps, chunk_frames, budget, policy, head_map, max_new_tokens)
+    for question in questions:
+        usage(lambda: _question(question))
+    if watch is not None:
+        usage(lambda: _question(watch, "watch"))
+    if max_lag is not None:
+        usage(lambda: as_fraction(max_lag, "max_lag"))
+        arriving = (chunk_frames - 1) / float(fps)  # LiveSession's own bound, in its own arithmetic
+        if max_lag < arriving:
+            raise UsageError(f"max_lag: a chunk of {chunk_frames} frames at {fps:g} fps takes {arriving:g} s to "
+                             f"arrive; --max-lag must be at least that, got {max_lag:g}")
+    for name, value in (("open_timeout", open_timeout), ("stall_timeout", stall_timeout)):
+        usage(lambda: as_fraction(value, name))
+    if isinstance(reconnect, bool) or not isinstance(reconnect, int) or reconnect < 0:
+        raise UsageError(f"reconnect: expected a non-negative int, got {reconnect!r}")
+    if check_tp(tp) > 1:
+        raise UsageError("tp: a live run reads its source in one process; --tp is for --video without --realtime")
+    if not live:
+        if reconnect:
+            raise UsageError("reconnect: only a network source (--live URL) is reopened, not a --video file")
+        return _check_inputs(model, source, schedule, 1)
+    kind = usage(lambda: check_live_source(source))
+    if reconnect and kind != "url":
+        raise UsageError(f"reconnect: only a network source (--live URL) is reopened, not {source!r}")
+    _check_folder(model)
+    return RunCheck(schedule, 1, None, None)
 
 
 def check_run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, *, ask_at: Sequence = (),
@@ -84,23 +145,9 @@ def check_run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, 
     video, the budget against the positions, the head map. UsageError for a setting that cannot work;
     FileNotFoundError or ValueError for an input that cannot be read; ImportError for a policy's package that
     cannot be."""
-    from hermes.linear_state import FULL, layer_kinds
-    from hermes.policies.h2svc.head_map import check_head_map, load_head_map
-    from hermes_kernels import HermesConfig
-
     check = check_arguments(model, video, ask_at=ask_at, fps=fps, chunk_frames=chunk_frames, budget=budget,
                             policy=policy, head_map=head_map, max_new_tokens=max_new_tokens, tp=tp)
-    if isinstance(model, LoadedModel):
-        check.device, check.dtype = model.device, next(model.model.parameters()).dtype
-        check.family, check.processor, check.config = model.family, model.processor, model.model.config
-    else:
-        check.device = usage(lambda: resolve_device(device) if check.tp == 1 else tp_device(device))
-        check.dtype = usage(lambda: resolve_dtype(dtype, check.device))
-        check.config, check.family = check_checkpoint(model)
-        if check.tp > 1:
-            check_tp_model(check.config, check.family, check.tp)
-        check.processor = load_processor(model, check.family)
-    get_policy(policy)
+    _check_model(check, model, device, dtype, policy)
     check.keep = check.family.kept_size(check.processor, *check.size)
     fps = float(as_fraction(fps, "fps"))
     with VideoReader(video) as reader:
@@ -112,6 +159,55 @@ def check_run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, 
     if late:
         raise UsageError(f"ask_at: {late[0]:g} s is past the end of the video ({check.duration:.2f} s): "
                          f"{os.fspath(video)}")
+    _check_cache(check, policy, budget, chunk_frames, head_map)
+    return check
+
+
+def check_live_run(model: str | os.PathLike | LoadedModel, source: str | os.PathLike, *, live: bool = True,
+                   questions: Sequence[str] = (), ask_at: Sequence = (), watch: str | None = None, fps: float = 1.0,
+                   chunk_frames: int = 16, budget: int = 6000, policy: str = "hermes",
+                   head_map: str | os.PathLike | None = None, device: str | torch.device | None = None,
+                   dtype: str | torch.dtype = "auto", max_new_tokens: int = 64, max_lag: float | None = None,
+                   open_timeout: float = 10.0, stall_timeout: float = 10.0, reconnect: int = 0) -> RunCheck:
+    """Every check of `hermes.live.command.run_live` that needs no weights and opens no --live source
+    (docs/cli.md#live): those of `check_live_arguments`, then for a file (live=False) the rest of `check_run`'s; for
+    a --live source the device, the checkpoint's config.json and processor, the policy's class, the budget against
+    the positions and the head map (as `check_run`). Raises as `check_run`."""
+    check = check_live_arguments(model, source, live=live, questions=questions, ask_at=ask_at, watch=watch, fps=fps,
+                                 chunk_frames=chunk_frames, budget=budget, policy=policy, head_map=head_map,
+                                 max_new_tokens=max_new_tokens, max_lag=max_lag, open_timeout=open_timeout,
+                                 stall_timeout=stall_timeout, reconnect=reconnect)
+    if not live:
+        return check_run(model, source, ask_at=ask_at, fps=fps, chunk_frames=chunk_frames, budget=budget,
+                         policy=policy, head_map=head_map, device=device, dtype=dtype, max_new_tokens=max_new_tokens)
+    _check_model(check, model, device, dtype, policy)
+    _check_cache(check, policy, budget, chunk_frames, head_map)
+    return check
+
+
+def _check_model(check: RunCheck, model: str | os.PathLike | LoadedModel, device, dtype, policy: str) -> None:
+    """Into `check`: the device and dtype, the checkpoint's config.json (its heads against tp) and processor (a
+    `LoadedModel`'s own); then the policy's class is imported."""
+    if isinstance(model, LoadedModel):
+        check.device, check.dtype = model.device, next(model.model.parameters()).dtype
+        check.family, check.processor, check.config = model.family, model.processor, model.model.config
+    else:
+        check.device = usage(lambda: resolve_device(device) if check.tp == 1 else tp_device(device))
+        check.dtype = usage(lambda: resolve_dtype(dtype, check.device))
+        check.config, check.family = check_checkpoint(model)
+        if check.tp > 1:
+            check_tp_model(check.config, check.family, check.tp)
+        check.processor = load_processor(model, check.family)
+    get_policy(policy)
+
+
+def _check_cache(check: RunCheck, policy: str, budget: int, chunk_frames: int,
+                 head_map: str | os.PathLike | None) -> None:
+    """HERMES: the budget against the model's positions; H2SVC: the head map against the model."""
+    from hermes.linear_state import FULL, layer_kinds
+    from hermes.policies.h2svc.head_map import check_head_map, load_head_map
+    from hermes_kernels import HermesConfig
+
     text = check.config.get_text_config()
     if policy == "hermes":
         tokenizer = getattr(check.processor, "tokenizer", check.processor)
@@ -129,7 +225,6 @@ def check_run(model: str | os.PathLike | LoadedModel, video: str | os.PathLike, 
         except ValueError as err:
             raise UsageError(f"cannot build the stream with policy {policy}, chunk_frames={chunk_frames}: "
                              f"{err}") from err
-    return check
 
 
 def policy_kwargs(policy: str, budget: int, head_map: str | os.PathLike | None = None) -> dict:
@@ -185,9 +280,9 @@ def parse_ask_at(item: str | tuple) -> tuple[float, str]:
     return seconds, _question(question)
 
 
-def _question(question) -> str:
+def _question(question, name: str = "question") -> str:
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"question: expected a non-empty string, got {question!r}")
+        raise ValueError(f"{name}: expected a non-empty string, got {question!r}")
     return question.strip()
 
 
@@ -317,15 +412,25 @@ def parser() -> argparse.ArgumentParser:
         "about it.",
         ["Questions: --question ones are asked after the whole video, --ask-at ones as the stream passes their time; "
          "with neither, questions are read from stdin, one a line, until an empty line or end of input.",
-         "Output: answers on stdout (with --json one JSON record per chunk and per answer); progress on stderr. Exit "
-         "status 0; 1 on an error (one line on stderr); 2 for a bad command line.",
+         "Live video: --live SOURCE (a URL, a capture device or - for a stream on stdin) or --video FILE --realtime "
+         "(the file at its own speed) is streamed as it plays, never more than --max-lag behind: late frames are "
+         "dropped. Questions typed on stdin (a terminal, or --questions -) are answered while it plays; --question "
+         "ones when the source ends. A source that ends, disconnects or stalls ends the run (exit status 0, a line "
+         "saying why); Ctrl-C prints the summary (exit status 130).",
+         "Output: answers on stdout (with --json one JSON record per chunk and per answer; live: one per event and a "
+         "summary); progress on stderr. Exit status 0; 1 on an error (one line on stderr); 2 for a bad command "
+         "line; 130 on Ctrl-C.",
          "Several GPUs: torchrun --nproc-per-node N -m hermes --tp N ... splits every attention's heads over N "
          "processes (tensor parallelism); the first prints, the others stay silent.",
          "Example:\n  hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
          "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""],
         "local checkpoint folder (config.json, weights, tokenizer, processor configs) of a llava_onevision, "
         "qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe model")
-    p.add_argument("--video", required=True, metavar="FILE", help="video file PyAV can decode (mp4, mkv, webm, ...)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--video", metavar="FILE", help="video file PyAV can decode (mp4, mkv, webm, ...)")
+    source.add_argument("--live", metavar="SOURCE",
+                        help="live source, streamed as it plays: a URL (rtsp, rtmp, srt, udp, tcp, http, https), "
+                             "/dev/videoN or - (a container stream such as MPEG-TS on stdin)")
     p.add_argument("--question", action="append", default=[], metavar="TEXT",
                    help="question asked after the whole video (repeatable, asked in order)")
     p.add_argument("--ask-at", action="append", default=[], metavar="TIME:TEXT",
@@ -350,7 +455,30 @@ def parser() -> argparse.ArgumentParser:
                         "hermes --tp N ...): each holds 1/N of every layer's heads; N must divide the KV heads")
     p.add_argument("--json", action="store_true",
                    help="one JSON record per line on stdout: {\"type\": \"chunk\", ...} per chunk, "
-                        "{\"type\": \"answer\", ...} per answer")
+                        "{\"type\": \"answer\", ...} per answer (live: every event, then {\"type\": "
+                        "\"summary\", ...})")
+    live = p.add_argument_group("live video (--live SOURCE, or --video FILE --realtime)")
+    live.add_argument("--realtime", action="store_true",
+                      help="play the --video file at its own speed, as a camera would")
+    live.add_argument("--max-lag", type=float, default=None, metavar="S",
+                      help="seconds a sampled frame may wait before it is encoded; later ones are dropped "
+                           "(default: one chunk's duration, chunk-frames / fps)")
+    live.add_argument("--open-timeout", type=float, default=None, metavar="S",
+                      help="--live: seconds to open the source (default 10)")
+    live.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                      help="--live: seconds without a frame before the source counts as stalled and ends "
+                           "(default 10)")
+    live.add_argument("--reconnect", type=int, default=None, metavar="N",
+                      help="--live URL: reopen a source that ended, disconnected or stalled up to N times, keeping "
+                           "the cache (default 0)")
+    live.add_argument("--questions", choices=("-",), default=None, metavar="-",
+                      help="questions typed on stdin, one a line, answered while the source plays (the default "
+                           "when stdin is a terminal and the source is not -)")
+    live.add_argument("--watch", metavar="TEXT", default=None,
+                      help="question re-asked after every chunk; its answer is printed when it changes")
+    live.add_argument("--verbose", action="store_true",
+                      help="a line per chunk on stderr (video time, lag, drops, ms per stage, cache length) instead "
+                           "of the progress line")
     return p
 
 
@@ -367,13 +495,40 @@ def _print_record(record: dict, as_json: bool) -> None:
     sys.stdout.flush()
 
 
+# options of a live run (argparse names), and those of them a --live source alone takes
+LIVE_OPTIONS = ("max_lag", "questions", "watch", "verbose", "open_timeout", "stall_timeout", "reconnect")
+SOURCE_OPTIONS = ("open_timeout", "stall_timeout", "reconnect")
+
+
+def check_live_options(args: argparse.Namespace) -> None:
+    """The live options against the run the command line asks for: --realtime with --live, an option of a live run
+    without one, an option of a --live source with a file, --questions - with the stream on stdin; a UsageError
+    naming the option."""
+    if args.realtime and args.live is not None:
+        raise UsageError("realtime: --realtime plays a --video file at its own speed; a --live source sets its own")
+    for name in LIVE_OPTIONS:
+        if getattr(args, name) in (None, False):
+            continue
+        option = "--" + name.replace("_", "-")
+        if args.live is None and not args.realtime:
+            raise UsageError(f"{name}: {option} is for a live run: --live SOURCE, or --video FILE --realtime")
+        if name in SOURCE_OPTIONS and args.live is None:
+            raise UsageError(f"{name}: {option} is for a --live source, not a --video file")
+    if args.questions == "-" and args.live == "-":
+        raise UsageError("questions: --questions - reads stdin, which carries the --live - stream")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command: parse, `run`, print; returns the exit status."""
+    """The command: parse, `run` (or `hermes.live.command.run_live` for --live or --realtime), print; returns the
+    exit status."""
     args = parser().parse_args(argv)
+    if args.live is not None or args.realtime:
+        return _main_live(args)
     # under torchrun every rank runs the same calls; the first prints, the others are silent
     rank = int(os.environ.get("RANK", "0")) if (args.tp or 1) > 1 else 0
 
     def check() -> None:
+        check_live_options(args)
         if (args.tp or 1) > 1 and not (args.question or args.ask_at):
             raise UsageError("question: under --tp pass the questions with --question or --ask-at (standard input "
                              "reaches one process only)")
@@ -390,3 +545,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.quiet and rank == 0, tp=args.tp)
 
     return run_main(args, body, rank, check)
+
+
+def _main_live(args: argparse.Namespace) -> int:
+    """The command for a live run (docs/cli.md#live): checked by `check_live_options` and `check_live_arguments`
+    before anything heavy loads, run by `hermes.live.command.run_live`, printed by its `LivePrinter`."""
+    source = args.video if args.live is None else args.live
+    given = {name: getattr(args, name) for name in ("max_lag", "open_timeout", "stall_timeout", "reconnect")
+             if getattr(args, name) is not None}  # an option left out takes run_live's default
+    settings = dict(live=args.live is not None, questions=args.question, ask_at=args.ask_at, watch=args.watch,
+                    fps=args.fps, chunk_frames=args.chunk_frames, budget=args.budget, policy=args.policy,
+                    head_map=args.head_map, max_new_tokens=args.max_new_tokens, **given)
+    # typed questions: asked for, or a terminal on stdin while stdin does not carry the stream
+    typed = args.questions == "-" or (args.live != "-" and sys.stdin is not None and sys.stdin.isatty())
+
+    def check() -> None:
+        check_live_options(args)
+        check_live_arguments(args.model, source, **settings, tp=args.tp)
+
+    def body() -> None:
+        from hermes.live.command import LivePrinter, run_live
+
+        printer = LivePrinter(as_json=args.json, verbose=args.verbose, progress=not args.quiet)
+        run_live(args.model, source, **settings, typed=sys.stdin if typed else None, device=args.device,
+                 dtype=args.dtype, on_record=printer.record)
+
+    return run_main(args, body, 0, check)

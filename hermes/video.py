@@ -9,6 +9,7 @@ docs/security.md#video.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 import re
@@ -106,14 +107,14 @@ class VideoReader:
     (height, width).
     """
 
+    file = None  # the Python file object FFmpeg reads the file through (None where a subclass opens no file)
+
     def __init__(self, path: str | os.PathLike):
         av = _av()
         self.path = os.fspath(path)
-        if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"video: no such file: {self.path}")
         limit = {"max_pixels": str(MAX_PIXELS)}  # also while PyAV probes the streams on opening
         try:
-            self.container = av.open(self.path, options=limit, metadata_errors="replace")
+            self.container = self._open(av, limit)
         except av.error.FFmpegError as err:
             raise ValueError(f"video: cannot read {self.path}: {err}") from err
         try:
@@ -132,7 +133,7 @@ class VideoReader:
                 raise ValueError(f"video: {self.path} declares {width} x {height} px frames; the reader decodes "
                                  f"at most {MAX_SIDE} px a side and {MAX_PIXELS} px a frame")
         except ValueError:
-            self.container.close()
+            self.close()
             raise
         self.size = (height, width)
 
@@ -142,8 +143,25 @@ class VideoReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _open(self, av, options: dict[str, str]):
+        """The container of the file at `path`, read through a Python file object: FFmpeg never reads the name
+        as a URL or a protocol (`http://host/x.mp4` and `take:2.mp4` are files), and what the file holds (an HLS
+        playlist, a concat list) may open other local files at most (`protocol_whitelist`). The live sources
+        (`hermes.live.sources`) open theirs in their own way and reuse the checks."""
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"video: no such file: {self.path}")
+        self.file = _LocalFile(self.path)
+        try:
+            return av.open(self.file, options=options, container_options={"protocol_whitelist": "file"},
+                           metadata_errors="replace")
+        except BaseException:
+            self.file.close()
+            raise
+
     def close(self) -> None:
         self.container.close()
+        if self.file is not None:
+            self.file.close()
 
     @property
     def duration(self) -> float | None:
@@ -221,6 +239,34 @@ class VideoReader:
                 frames, times, sources, index = [], [], [], index + 1
         if frames:
             yield Chunk(index, np.stack(frames), times, sources)
+
+
+class _LocalFile(io.FileIO):
+    """A local file opened for FFmpeg to read through PyAV. A seek that fails (a corrupt index pointing before
+    the start) returns FFmpeg's error code, -errno, as FFmpeg's own file protocol does: raised, PyAV would pass
+    the OSError through instead of an av.error.FFmpegError."""
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        try:
+            return super().seek(offset, whence)
+        except OSError as err:
+            return -err.errno
+
+
+class VideoClip:
+    """A video file as a clip for the H2SVC profiler (`hermes.policies.h2svc.profile.profile_heads`): checked when
+    made (FileNotFoundError / ValueError "video: ..."), opened anew for each pass over its frames."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.name = os.fspath(path)
+        with VideoReader(self.name) as reader:
+            self.duration = reader.duration
+
+    def chunks(self, fps: float, chunk_frames: int) -> Iterator[np.ndarray]:
+        """uint8 [F, H, W, 3] RGB frames sampled at `fps`, `chunk_frames` at a time (`VideoReader.chunks`)."""
+        with VideoReader(self.name) as reader:
+            for chunk in reader.chunks(fps, chunk_frames):
+                yield chunk.frames
 
 
 def _rgb(frame, size: tuple[int, int]) -> np.ndarray:

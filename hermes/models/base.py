@@ -1,5 +1,5 @@
-"""What every model family builds on: the family interface, the chunk it encodes, the pixel check and the base of
-its torchvision-free video processor twin.
+"""What every model family builds on: the family interface, the chunk it encodes, the pixel and frame-time checks and
+the base of its torchvision-free video processor twin.
 
 A family file imports this module (never the package, whose `__init__` is the registry that imports the families):
 it implements the abstract methods of `ModelFamily` and sets its class attributes; the base owns the rest. The
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Callable, ClassVar
+import math
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -183,10 +184,13 @@ class ModelFamily(abc.ABC):
         `reject_unexpected`). Raises before the vision tower runs when an input is wrong."""
 
     @abc.abstractmethod
-    def prepare_frames(self, processor, frames, fps: float, start: float = 0.0) -> dict:
+    def prepare_frames(self, processor, frames, fps: float, start: float = 0.0,
+                       times: Sequence[float] | None = None) -> dict:
         """`append_video` keyword arguments for one clip: frames uint8 [F, H, W, 3] RGB sampled at `fps` frames per
         second, the first at `start` seconds of the video, through `processor.video_processor` (the real one or
-        the twin)."""
+        the twin). `times`: the frames' own seconds of video (F of them, increasing; `check_times`), for a clip
+        whose frames are not evenly spaced (a live session dropped some, docs/live.md#gaps); when given, the
+        family times the clip from them instead of from fps and start, as far as its positions can say it."""
 
     @abc.abstractmethod
     def memory_frames(self, inputs: dict) -> int:
@@ -239,6 +243,26 @@ class ModelFamily(abc.ABC):
         """TypeError naming `append_video`'s arguments this family does not take (encode_video's leftovers)."""
         if kwargs:
             raise TypeError(f"append_video: unexpected arguments for {self.name}: {sorted(kwargs)}")
+
+
+def check_times(times: Sequence[float] | None, count: int) -> list[float] | None:
+    """`prepare_frames`' `times` as floats (None stays None): `count` finite seconds, strictly increasing, else a
+    ValueError naming `times`."""
+    if times is None:
+        return None
+    if isinstance(times, torch.Tensor):
+        times = times.tolist()
+    try:
+        seconds = [float(t) for t in times]
+    except (TypeError, ValueError):
+        seconds = None
+    if seconds is None or isinstance(times, str) or len(seconds) != count:
+        raise ValueError(f"times: expected the seconds of each of the {count} frames, got {times!r}")
+    if not all(math.isfinite(t) for t in seconds):
+        raise ValueError(f"times: expected finite seconds, got {seconds}")
+    if any(b <= a for a, b in zip(seconds, seconds[1:])):
+        raise ValueError(f"times: expected increasing seconds, got {seconds}")
+    return seconds
 
 
 def check_pixels(name: str, video, expected: str) -> torch.Tensor:

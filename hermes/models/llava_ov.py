@@ -7,7 +7,7 @@ import math
 import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels, size_of
+from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels, check_times, size_of
 
 
 class LlavaOneVisionPilVideoProcessor(PilVideoProcessor):
@@ -63,8 +63,11 @@ class LlavaOneVision(ModelFamily):
         embeds = features[:, :-1].to(device=lm.embed_tokens.weight.device, dtype=lm.embed_tokens.weight.dtype)
         return VideoChunk(embeds=embeds, rel_positions=None, frames=video.shape[1], extent=embeds.shape[1] - 1)
 
-    def prepare_frames(self, processor, frames, fps, start=0.0):
-        """{"video": pixel values [1, F, C, S, S]} from frames uint8 [F, H, W, 3] (fps and start play no part)."""
+    def prepare_frames(self, processor, frames, fps, start=0.0, times=None):
+        """{"video": pixel values [1, F, C, S, S]} from frames uint8 [F, H, W, 3]. fps, start and times play no
+        part: a chunk's 1D positions count its tokens, not seconds, so a gap between frames cannot show (times is
+        still checked)."""
+        check_times(times, len(frames))
         out = processor.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
         return {"video": out["pixel_values_videos"]}
 

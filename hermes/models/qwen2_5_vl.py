@@ -10,7 +10,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from hermes_kernels.rope import RotaryLayout
 
-from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels, size_of
+from .base import ModelFamily, PilVideoProcessor, VideoChunk, check_pixels, check_times, size_of
 
 
 def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) \
@@ -130,15 +130,28 @@ class Qwen2_5_VL(ModelFamily):
         extent = int(video_rel_positions(grid, vision.spatial_merge_size, interval).max())
         return VideoChunk(embeds=embeds, rel_positions=rel, frames=grid[0], extent=extent)
 
-    def prepare_frames(self, processor, frames, fps, start=0.0):
+    def prepare_frames(self, processor, frames, fps, start=0.0, times=None):
         """{"video": patches, "grid_thw": [1, 3], "seconds_per_grid": T / fps} from frames uint8 [F, H, W, 3];
         seconds_per_grid is what Qwen2_5_VLProcessor passes as second_per_grid_ts (start plays no part: M-RoPE's t
-        counts from the chunk)."""
+        counts from the chunk).
+
+        times: the frames' own seconds. M-RoPE's t axis steps by one interval per temporal step within a chunk and
+        each chunk starts right after the last one's positions, so it can express a chunk's true span but neither a
+        gap inside it (spread evenly over its steps) nor one between chunks. seconds_per_grid is then T times the
+        frames' mean spacing, (times[-1] - times[0]) / (F - 1); frames spaced 1 / fps apart (to a microsecond) and
+        a single frame keep T / fps exactly."""
+        times = check_times(times, len(frames))
         video_processor = processor.video_processor
         out = video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False,
                               cap_pixels_per_frame=False)
+        temporal = video_processor.temporal_patch_size
+        seconds_per_grid = temporal / float(fps)
+        # evenly sampled frames carry only rounding in their span: they keep the exact T / fps, whose float32
+        # product get_rope_index truncates (a last-bit difference could move a position)
+        if times is not None and len(times) > 1 and np.abs(np.diff(times) - 1 / float(fps)).max() > 1e-6:
+            seconds_per_grid = temporal * (times[-1] - times[0]) / (len(times) - 1)
         return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
-                "seconds_per_grid": video_processor.temporal_patch_size / float(fps)}
+                "seconds_per_grid": seconds_per_grid}
 
     def kept_size(self, processor, height, width):
         """Qwen2-VL's per-frame `smart_resize` within size's pixel bounds (`prepare_frames` asks for no cap)."""

@@ -17,7 +17,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
 from hermes_kernels.rope import RotaryLayout
 
-from .base import VideoChunk, size_of
+from .base import VideoChunk, check_times, size_of
 from .qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLPilVideoProcessor
 
 TIMESTAMP_DIGITS = 5  # integer digits of a frame's timestamp: runs keep one length up to 99999.9 s (27.7 h)
@@ -36,10 +36,16 @@ def timestamp_text(seconds: float) -> str:
 
 def step_times(count: int, fps: float, start: float, temporal_patch_size: int) -> list[float]:
     """Seconds of each temporal step of `count` frames sampled at `fps` from `start`, as Qwen3VLProcessor computes
-    them (`_calculate_timestamps`): frame times padded with the last one to a multiple of temporal_patch_size,
-    then the mean of each step's first and last frame."""
-    times = [start + i / fps for i in range(count)]
-    times += times[-1:] * (-count % temporal_patch_size)
+    them (`_calculate_timestamps`): `step_times_from` the frame times start + i / fps."""
+    return step_times_from([start + i / fps for i in range(count)], temporal_patch_size)
+
+
+def step_times_from(frame_times: Sequence[float], temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal step of frames at `frame_times` (any spacing: a live session's chunk may have
+    gaps, docs/live.md#gaps): the times padded with the last one to a multiple of temporal_patch_size, then the
+    mean of each step's first and last frame."""
+    times = list(frame_times)
+    times += times[-1:] * (-len(times) % temporal_patch_size)
     return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
 
 
@@ -224,10 +230,15 @@ class Qwen3_VL(Qwen2_5_VL):
         return smart_resize(frames, height, width, temporal_factor=frames, factor=factor,
                             min_pixels=size.shortest_edge, max_pixels=per_frame * frames)
 
-    def prepare_frames(self, processor, frames, fps, start=0.0):
+    def prepare_frames(self, processor, frames, fps, start=0.0, times=None):
         """{"video": patches, "grid_thw": [1, 3], "timestamps": seconds of each temporal step} from frames uint8
-        [F, H, W, 3] sampled at `fps` from `start` seconds (`step_times`)."""
+        [F, H, W, 3] sampled at `fps` from `start` seconds (`step_times`), or at their own `times` (seconds, one per
+        frame; fps and start then play no part, `step_times_from`): each step's timestamp is then its frames' true
+        time, so the model reads the true time across a gap."""
+        times = check_times(times, len(frames))
         video_processor = processor.video_processor
+        temporal = video_processor.temporal_patch_size
+        stamps = step_times(len(frames), float(fps), float(start), temporal) if times is None else \
+            step_times_from(times, temporal)
         out = self._process(video_processor, [np.asarray(frames)])
-        return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"],
-                "timestamps": step_times(len(frames), float(fps), float(start), video_processor.temporal_patch_size)}
+        return {"video": out["pixel_values_videos"], "grid_thw": out["video_grid_thw"], "timestamps": stamps}

@@ -33,7 +33,9 @@ def test_parsed_defaults_and_types():
     args = cli.parser().parse_args(["--model", "m", "--video", "v.mp4"])
     assert vars(args) == dict(model="m", video="v.mp4", question=[], ask_at=[], fps=1.0, chunk_frames=16,
                               budget=6000, policy="hermes", head_map=None, max_new_tokens=64, json=False, tp=None,
-                              device=None, dtype="auto", threads=None, quiet=False, traceback=False)
+                              device=None, dtype="auto", threads=None, quiet=False, traceback=False, live=None,
+                              realtime=False, max_lag=None, open_timeout=None, stall_timeout=None, reconnect=None,
+                              questions=None, watch=None, verbose=False)
     args = cli.parser().parse_args(["--model", "m", "--video", "v.mp4", "--fps", "2", "--chunk-frames", "4",
                                     "--budget", "100", "--max-new-tokens", "3", "--tp", "2"])
     typed = (args.fps, args.chunk_frames, args.budget, args.max_new_tokens, args.tp)

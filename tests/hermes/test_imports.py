@@ -1,8 +1,8 @@
-"""What the glue imports, each in a fresh process: the commands answer --help, a bad option, a missing file and an
-unknown policy without importing torch, transformers, triton or the kernel library (their refusals answer at once:
-docs/cli.md#stream-a-video-file, "Start-up"), and import them once the arguments are valid; without transformers the
-commands still parse and `from hermes import HermesStream` and a run say what to install, while the kernel library
-imports."""
+"""What the glue imports, each in a fresh process: the commands answer --help, a bad option, a missing file, an
+unknown policy and a refused --live source or setting without importing torch, transformers, triton or the kernel
+library (their refusals answer at once: docs/cli.md#stream-a-video-file, "Start-up"), and import them once the
+arguments are valid; without transformers the commands still parse and `from hermes import HermesStream` and a run
+say what to install, while the kernel library imports."""
 import json
 import subprocess
 import sys
@@ -59,8 +59,13 @@ def command(module: str, argv: list[str]) -> tuple[int, list[str], str]:
      "error: policy: expected one of ['h2svc', 'hermes'], got 'nope'"),
     ("hermes.cli", ["--model", "{model}", "--video", "{clip}", "--question", "q", "--fps", "0"], 2,
      "error: fps: expected a positive finite number"),
+    ("hermes.cli", ["--model", "{model}", "--live", "ftp://host/feed"], 2, "error: live: --live expects a URL"),
+    ("hermes.cli", ["--model", "{model}", "--live", "/dev/video99"], 2,
+     "error: live: --live /dev/video99: no such capture device"),
+    ("hermes.cli", ["--model", "{model}", "--live", "-", "--max-lag", "0.5"], 2,
+     "error: max_lag: a chunk of 16 frames at 1 fps takes 15 s to arrive"),
 ], ids=["help", "profile-help", "bad-option", "profile-missing-option", "missing-video", "missing-model",
-        "unknown-policy", "bad-setting"])
+        "unknown-policy", "bad-setting", "live-scheme", "live-device", "live-setting"])
 def test_a_refusal_imports_nothing_heavy(module, argv, status, message, inputs):
     got, heavy, err = command(module, [arg.format(**inputs) for arg in argv])
     assert (got, heavy) == (status, []), err

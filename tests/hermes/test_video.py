@@ -14,6 +14,7 @@ import pytest
 
 from hermes import video
 from hermes.video import VideoReader, parse_time, sample_by_time
+from tests.hermes.live.servers import TcpServer
 from tests.hermes.video_files import (HEIGHT, WIDTH, decode_all, frame_index, write_gray, write_packets, write_video,
                                       write_without_frames)
 from tests.utils import REPO
@@ -370,3 +371,42 @@ def test_fuzz_an_unknown_codec_and_metadata_that_is_not_utf8(sources, tmp_path):
     tagged = tmp_path / "tagged.mkv"
     tagged.write_bytes(data.replace(b"Lavf", b"\xff\xfe\xfd\xfc"))
     assert read_bounded(tagged)["chunks"] == read_bounded(sources["mkv"])["chunks"]
+
+
+# ---- a local file is a file, whatever its name (docs/security.md#video) --------------------------------------------
+def _frames_of(path) -> list[int]:
+    with VideoReader(path) as reader:
+        return [frame_index(frame) for chunk in reader.chunks(4, 8) for frame in chunk.frames]
+
+
+@pytest.mark.parametrize("form", ["relative", "absolute"])
+def test_a_local_name_shaped_like_a_url_is_a_file(tmp_path, monkeypatch, form):
+    """A folder `http:` holding `127.0.0.1:PORT/x.mp4`: relative, the name reads as http://127.0.0.1:PORT/x.mp4,
+    and a loopback server listens on PORT. The local file's frames come out, and nobody connects to the server."""
+    with TcpServer([([], "close")]) as server:
+        name = f"http://127.0.0.1:{server.url.rsplit(':', 1)[1]}/x.mp4"
+        (tmp_path / name).parent.mkdir(parents=True)
+        write_video(tmp_path / name, [0.0, 0.25, 0.5, 0.75])
+        monkeypatch.chdir(tmp_path)
+        assert _frames_of(name if form == "relative" else os.path.join(tmp_path, name)) == [0, 1, 2, 3]
+    assert server.accepted == 0
+
+
+@pytest.mark.parametrize("form", ["relative", "absolute"])
+def test_a_local_name_with_a_colon_opens(tmp_path, monkeypatch, form):
+    """`take:2.mp4` is a file, not the unknown protocol `take`."""
+    write_video(tmp_path / "take:2.mp4", [0.0, 0.25, 0.5])
+    monkeypatch.chdir(tmp_path)
+    assert _frames_of("take:2.mp4" if form == "relative" else tmp_path / "take:2.mp4") == [0, 1, 2]
+
+
+def test_a_playlist_in_a_local_file_opens_no_url(tmp_path):
+    """An HLS playlist naming a segment on a loopback server: FFmpeg's playlist reader may open local files only
+    (a file read through a file object would otherwise let it open any protocol), so nobody connects."""
+    with TcpServer([([], "close")]) as server:
+        playlist = tmp_path / "list.m3u8"
+        playlist.write_text(f"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\nhttp{server.url[3:]}/seg.ts\n"
+                            "#EXT-X-ENDLIST\n")
+        with pytest.raises(ValueError, match="^video: cannot read"):
+            VideoReader(playlist)
+    assert server.accepted == 0
