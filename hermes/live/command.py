@@ -251,7 +251,7 @@ def summary_text(record: dict) -> str:
     return "\n".join([
         f"summary: {record['chunks']} chunks, {record['frames']} frames: {record['video_seconds']:.1f} s of video in "
         f"{record['wall_seconds']:.1f} s, real-time factor {_number(record['realtime_factor'], 2)}; "
-        f"{record['dropped']} frames dropped; {record['answers']} answers; {record['watch_asks']} watch asks",
+        f"frames dropped: {record['dropped']}; answers: {record['answers']}; watch asks: {record['watch_asks']}",
         f"  ms per chunk (p50 / p99 / max): {stages}",
         f"  lag s (p50 / p99 / max): {_spread(record['lag'], 2)}",
         f"  answer s (p50 / p99 / max): to the first token {_spread(record['first_token_s'], 2)}; to the last "

@@ -264,7 +264,7 @@ def test_watch_prints_only_when_the_answer_changes(checkpoint, capsys, monkeypat
     for record in records:
         printer.record(record)
     out = capsys.readouterr().out
-    assert out.count("Q (watch): is the door open ?") == 3 and "8 watch asks" not in out
+    assert out.count("Q (watch): is the door open ?") == 3 and "watch asks: 8" not in out
 
 
 # ---- a slow model -------------------------------------------------------------------------------------------------
