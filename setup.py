@@ -16,7 +16,7 @@ setup(
     # HERMES code's environment beside whatever transformers that pins; the glue (hermes) needs "model".
     packages=find_packages(include=["hermes", "hermes.*", "hermes_kernels", "hermes_kernels.*"],
                            exclude=["scaffolding", "scaffolding.*", "tests", "tests.*", "bench", "bench.*"]),
-    package_data={"hermes_kernels": ["*.c"]},  # compiled on first use by hermes_kernels.native
+    package_data={"hermes_kernels.engine": ["*.c"]},  # compiled on first use by hermes_kernels.engine.native
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.15",

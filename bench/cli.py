@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hermes_kernels import native
+from hermes_kernels.engine import native
 
 from . import e2e
 from .memory import peak_extra_bytes
@@ -236,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         backends = tuple(b for b in backends if b != "torch-ops")  # the C row kernel is CPU-only: same as torch
     if device.type == "cpu":
         reason = native.unavailable_reason("compact_cpu")
-        print("torch backend, compaction rows on CPU: " + ("C walk (hermes_kernels/compact_cpu.c)" if reason is None
-              else f"torch ops ({reason})") + "; torch-ops rows: always torch ops")
+        print("torch backend, compaction rows on CPU: "
+              + ("C walk (hermes_kernels/engine/compact_cpu.c)" if reason is None else f"torch ops ({reason})")
+              + "; torch-ops rows: always torch ops")
         reason = native.unavailable_reason("stce_cpu")
-        print("torch backend, STCE arrival loop on CPU: " + ("C (hermes_kernels/stce_cpu.c)" if reason is None
+        print("torch backend, STCE arrival loop on CPU: " + ("C (hermes_kernels/engine/stce_cpu.c)" if reason is None
               else f"torch ops ({reason})") + "; torch-ops rows: always torch ops")
     results_dir = args.out or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else OUT_DIR)
     # HERMES points per budget; H2SVC points (frame memories, no budget: 0) once per shape, dtype and chunk

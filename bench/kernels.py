@@ -1,6 +1,6 @@
 """`python -m bench.kernels`: every Triton kernel built for sm_80 and sm_90 without a GPU, and what it costs there.
 
-The launches that the specs of `hermes_kernels.gpu_specs` record on meta tensors are specialised as Triton's own
+The launches that the specs of `hermes_kernels.engine.gpu_specs` record on meta tensors are specialised as Triton's own
 binder does, compiled to PTX and through ptxas, and reported per kernel x target x spec: registers, spills, shared
 memory, occupancy (bench/ptx.py), grid and waves, global load/store widths, approximate arithmetic. `--check` (run by
 tests/hermes_kernels/test_gpu_specs.py) fails on a kernel that does not build, spills or overflows shared memory,
@@ -32,10 +32,10 @@ from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime.cache import get_cache_key
 from triton.runtime.jit import create_function_from_signature
 
-from hermes_kernels import gpu_specs
+from hermes_kernels.engine import gpu_specs
 from hermes_kernels.policies.h2svc.gpu_case import H2SVCCase
 from hermes_kernels.policies.hermes.gpu_case import HermesCase
-from hermes_kernels.launch import recording
+from hermes_kernels.engine.launch import recording
 
 from .shapes import BUDGETS, CHUNK_FRAMES, SHAPES, TOKENS_PER_FRAME, ModelShape
 from .inputs import GUIDANCE_GLOBAL, GUIDANCE_MIXED
@@ -122,7 +122,7 @@ class Recorded:
     case: str
     kernel: str
     grid: tuple[int, ...]
-    launch: object  # hermes_kernels.launch.Launch
+    launch: object  # hermes_kernels.engine.launch.Launch
 
 
 def record(cases) -> tuple[list[Recorded], list[str]]:
@@ -151,7 +151,7 @@ def record(cases) -> tuple[list[Recorded], list[str]]:
         if driven:  # a spec without cases (filtered out by --policies / --models) has nothing to launch
             problems += [f"{spec.name} names {name} but never launches it" for name in sorted(named - seen)]
     specified = {gpu_specs.kernel_name(k) for spec in specs for k in spec.kernels}
-    problems += [f"{name} has no compile spec (register one with hermes_kernels.gpu_specs.gpu_spec)"
+    problems += [f"{name} has no compile spec (register one with hermes_kernels.engine.gpu_specs.gpu_spec)"
                  for name in sorted(set(gpu_specs.jit_kernels()) - specified)]
     return recorded, problems
 

@@ -1,6 +1,6 @@
 """The one registry of model shapes the benchmarks run at, plus the streaming defaults (docs/hermes.md §4).
 
-A shape is a name, what the compression step sees of a model (`hermes_kernels.geometry.ModelGeometry`: layer
+A shape is a name, what the compression step sees of a model (`hermes_kernels.engine.geometry.ModelGeometry`: layer
 count, query/KV heads, head dim, RoPE base and position limit, the rotary layout: contiguous M-RoPE sections for
 Qwen2.5-VL, interleaved for Qwen3-VL, interleaved over the first R of D channels for Qwen3.5) and its family's
 preset of both policies (HERMES `config`, H2SVC `h2svc_config`); a hybrid's linear-attention state: `LINEAR_STATES`.
@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from hermes_kernels import H2SVCConfig, HermesConfig, RotaryLayout
-from hermes_kernels.geometry import ModelGeometry
+from hermes_kernels.engine.geometry import ModelGeometry
 
 TOKENS_PER_FRAME = 196      # 14 x 14 merged patches per frame (LLaVA-OV after pooling, Qwen2.5-VL merged grid)
 GRID_WIDTH = 14             # merged-grid width; M-RoPE h/w coordinates come from it
@@ -25,8 +25,8 @@ BUDGETS = (4000, 6000)      # the paper's 4K / 6K per-layer budgets (the release
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """One benchmark shape: a name, the model's geometry (`hermes_kernels.geometry.ModelGeometry`: keys/values are
-    [L, B, Hkv, N, D], guidance queries have H heads) and its family's preset in both policies' configs."""
+    """One benchmark shape: a name, the model's geometry (`hermes_kernels.engine.geometry.ModelGeometry`: keys/values
+    are [L, B, Hkv, N, D], guidance queries have H heads) and its family's preset in both policies' configs."""
 
     name: str
     geometry: ModelGeometry

@@ -85,7 +85,7 @@ def backend_op(backend: str, name: str, policy: str = "hermes") -> Callable:
 
 def _without_c_rows(fn: Callable) -> Callable:
     """fn run with HERMES_KERNELS_NATIVE=0 (read by hermes_kernels on every call), the previous value restored."""
-    from hermes_kernels.native import ENV_SWITCH
+    from hermes_kernels.engine.native import ENV_SWITCH
 
     def run(*args, **kwargs):
         before = os.environ.get(ENV_SWITCH)

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from hermes.linear_state import RECURRENT, LinearLayout, LinearStates
-from hermes_kernels.checks import check_positive_int
+from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.rope import RotaryLayout
 
 _HANDOFF = threading.local()

@@ -39,8 +39,8 @@ class UsageError(ValueError):
 
 
 def check_positive_int(name: str, value, allow_none: bool = False) -> int | None:
-    """`hermes_kernels.checks.check_positive_int` for the commands' checks, which run before the kernel library (and
-    torch with it) is imported: a positive int (None too when `allow_none`), returned; ValueError naming `name`
+    """`hermes_kernels.engine.checks.check_positive_int` for the commands' checks, which run before the kernel library
+    (and torch with it) is imported: a positive int (None too when `allow_none`), returned; ValueError naming `name`
     otherwise."""
     if value is None and allow_none:
         return None

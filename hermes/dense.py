@@ -15,7 +15,7 @@ import torch
 from hermes.attention import causal_mask, flash_usable, model_attention, padded_mask
 from hermes.cache import Counters, Forward, StreamCacheBase, layer_runs
 from hermes.linear_state import LinearLayout
-from hermes_kernels.checks import check_positive_int
+from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from hermes_kernels.geometry import ModelGeometry
+from hermes_kernels.engine.geometry import ModelGeometry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,9 @@ from hermes.models import ModelFamily, family_of
 from hermes.parallel import HeadShard, head_shard
 # the registry, importable from here beside the base class a policy subclasses (docs/policies.md#registry)
 from hermes.registry import get_policy, policy_names, register_policy  # noqa: F401
-from hermes_kernels.checks import check_positive_int
-from hermes_kernels.dispatch import check_backend
-from hermes_kernels.geometry import ModelGeometry
+from hermes_kernels.engine.checks import check_positive_int
+from hermes_kernels.engine.dispatch import check_backend
+from hermes_kernels.engine.geometry import ModelGeometry
 
 if TYPE_CHECKING:
     from hermes.cache import StreamCacheBase
@@ -62,8 +62,8 @@ class StreamSetup:
                    the processed frames, or None.
     prefix_ids:    the system prefix's token ids (P = prefix_len of them, never evicted).
     backend:       "auto" | "triton" | "torch": the backend of the policy's kernels.
-    geometry:      the model's `hermes_kernels.geometry.ModelGeometry`; under tensor parallelism with this rank's head
-                   counts (what its caches hold).
+    geometry:      the model's `hermes_kernels.engine.geometry.ModelGeometry`; under tensor parallelism with this rank's
+                   head counts (what its caches hold).
     shard:         this rank's `hermes.parallel.HeadShard` of a model loaded with `DistributedConfig(tp_size=N)`,
                    else None (docs/multi-gpu.md).
     dtype:         keys' and values' storage dtype (the model's); inv_freq: [R/2] rotary inverse frequencies taken

@@ -17,8 +17,8 @@ from hermes.attention import patch_model
 from hermes.cache import StreamCacheBase
 from hermes.parallel import RankGuard
 from hermes.policy import StreamPolicy, StreamSetup, get_policy
-from hermes_kernels.checks import check_positive_int
-from hermes_kernels.dispatch import check_backend
+from hermes_kernels.engine.checks import check_positive_int
+from hermes_kernels.engine.dispatch import check_backend
 
 
 class HermesStream:

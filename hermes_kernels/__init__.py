@@ -2,8 +2,8 @@
 
 Two policies share the engine: HERMES (docs/hermes.md: score, smooth, select and compact a stacked cache) and
 H2SVC (docs/h2svc.md: per-class frame memories stepped after every chunk). Every op checks its inputs before anything
-is written, then runs the backend `backend="auto"|"triton"|"torch"` resolves to (`hermes_kernels.dispatch`): fused
-Triton kernels, or vectorised PyTorch (with small C loops on CPU), both tested against the plain references
+is written, then runs the backend `backend="auto"|"triton"|"torch"` resolves to (`hermes_kernels.engine.dispatch`):
+fused Triton kernels, or vectorised PyTorch (with small C loops on CPU), both tested against the plain references
 `hermes_kernels.policies.hermes.reference` and `hermes_kernels.policies.h2svc.reference`. The library imports torch
 and triton only; this module re-exports the public names (docs/api.md lists every path).
 """

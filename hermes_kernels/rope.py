@@ -213,7 +213,7 @@ def rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     x [..., D] in the cache dtype (promoted exactly to the work dtype by the ops), cos/sin broadcastable to
     [..., R/2] (R = 2·cos.shape[-1] <= D: partial rotary when less); out [..., D] must not overlap x. Four passes
     over the rotary half rows and one copy of the tail, no temporaries: the in-place row movers' rotation
-    (`hermes_kernels.rows_torch`). The tail is a copy, never a rotation by zero (−0.0 − (−0.0) is +0.0); it is
+    (`hermes_kernels.engine.rows_torch`). The tail is a copy, never a rotation by zero (−0.0 − (−0.0) is +0.0); it is
     bit for bit when out has x's dtype (a widening copy canonicalises NaN payloads: callers that write a tail back
     to the cache take it from x). `apply_rotary_delta` keeps its own two products and a difference: a fused
     multiply-add (which `addcmul_` may be on a GPU) rounds once where it rounds twice, and the model glue and the

@@ -32,7 +32,8 @@ from hermes.policies.hermes.cache import HermesCache
 from hermes.policies.hermes.policy import HermesPolicy
 from hermes.policy import StreamPolicy
 from hermes.stream import HermesStream
-from hermes_kernels import compat, geometry, rope
+from hermes_kernels import compat, rope
+from hermes_kernels.engine import geometry
 from hermes_kernels.policies.h2svc import reference as h2svc_reference
 from hermes_kernels.policies.hermes import reference as hermes_reference
 from hermes_kernels.rope import RotaryLayout

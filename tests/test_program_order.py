@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hermes_kernels.launch import launch
+from hermes_kernels.engine.launch import launch
 from tests.program_order import program_order
 from tests.utils import DEVICE
 

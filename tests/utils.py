@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from hermes_kernels import native
+from hermes_kernels.engine import native
 from hermes_kernels.rope import RotaryLayout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,8 +13,8 @@ import os
 from hermes.cli import policy_kwargs
 from hermes.registry import check_policy_name, get_policy
 from hermes.video import as_fraction
-from hermes_kernels.checks import REINDEX_MODES, check_positive_int
-from hermes_kernels.dispatch import check_backend
+from hermes_kernels.engine.checks import REINDEX_MODES, check_positive_int
+from hermes_kernels.engine.dispatch import check_backend
 
 REINDEX_CHOICES = ("auto", *REINDEX_MODES)  # auto: eager for offline requests, lazy for multi-round ones
 REINDEXING = ("hermes", "h2svc")  # the policies that take a re-indexing mode; another keeps its own defaults

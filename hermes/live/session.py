@@ -19,7 +19,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hermes.live.frames import LiveFrame, LiveSource, SourceEnded
-from hermes_kernels.checks import check_positive_int
+from hermes_kernels.engine.checks import check_positive_int
 
 WINDOW = 4096  # the summary's percentiles are over the last WINDOW samples of each kind: memory stays flat
 POLL = 0.05  # seconds the loop waits on a silent source before it looks at questions and stop() again

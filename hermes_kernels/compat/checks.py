@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..dtypes import CACHE_DTYPES
+from ..engine.dtypes import CACHE_DTYPES
 from .caches import IncompatibleInstance, read_layers
 from .schedule import LLAVA_OV, METHODS, QWEN2_5_VL, ReleasedSchedule
 

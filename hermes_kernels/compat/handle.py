@@ -13,8 +13,8 @@ import dataclasses
 
 import torch
 
-from ..checks import check_group
-from ..dispatch import check_backend
+from ..engine.checks import check_group
+from ..engine.dispatch import check_backend
 from ..policies.hermes.config import HermesConfig
 from .caches import IncompatibleInstance
 from .checks import LMParts, instance_problems

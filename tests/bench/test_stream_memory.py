@@ -9,7 +9,7 @@ from transformers import (Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5ForCausalLM, Q
 from transformers.cache_utils import LinearAttentionLayer
 
 from hermes_kernels import RotaryLayout
-from hermes_kernels.geometry import ModelGeometry
+from hermes_kernels.engine.geometry import ModelGeometry
 
 from bench import stream_memory
 from bench.shapes import LINEAR_STATES, SHAPES, SMOKE_SHAPES, LinearStateShape, ModelShape

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hermes import commands
-from hermes_kernels import checks
+from hermes_kernels.engine import checks
 from hermes.commands import UsageError, check_tp, load_model, resolve_device, resolve_dtype, run_command, run_main, \
     tp_device
 
@@ -291,7 +291,7 @@ def test_load_model_without_tp_loads_in_each_process_of_a_launch(tiny_checkpoint
 @pytest.mark.parametrize("value", [1, 7, 0, -3, 2.0, True, None, "3"])
 def test_the_commands_positive_int_check_answers_as_the_kernel_library_s(value, allow_none):
     """`hermes.commands.check_positive_int` runs before the kernel library is imported (tests/hermes/test_imports.py):
-    the same value returned or the same error as `hermes_kernels.checks.check_positive_int`."""
+    the same value returned or the same error as `hermes_kernels.engine.checks.check_positive_int`."""
     outcomes = []
     for check in (commands.check_positive_int, checks.check_positive_int):
         try:

@@ -1,5 +1,5 @@
-"""The one ctypes face of the C files (hermes_kernels/bindings.py): every exported C function is declared there with
-the argument types of its C prototype, the loaded functions carry them, and no other module of the package calls
+"""The one ctypes face of the C files (hermes_kernels/engine/bindings.py): every exported C function is declared there
+with the argument types of its C prototype, the loaded functions carry them, and no other module of the package calls
 into a library with ctypes (native.py only builds and loads)."""
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import hermes_kernels
-from hermes_kernels import bindings, native
+from hermes_kernels.engine import bindings, native
 from tests.utils import require_c_library
 
 PACKAGE = pathlib.Path(hermes_kernels.__file__).parent
+ENGINE = PACKAGE / "engine"  # the C files and their bindings
 # C parameter type -> the ctypes type a binding declares for it (pointers of any type are data pointers)
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int}
 EXPORTED = re.compile(r"^int (hermes_\w+)\(([^)]*)\)\s*\{", re.MULTILINE)
@@ -23,7 +24,7 @@ EXPORTED = re.compile(r"^int (hermes_\w+)\(([^)]*)\)\s*\{", re.MULTILINE)
 def exported_functions() -> dict[str, tuple[str, tuple]]:
     """name -> (library, ctypes argument types) of every non-static function of the package's .c files."""
     found = {}
-    for source in sorted(PACKAGE.glob("*.c")):
+    for source in sorted(ENGINE.glob("*.c")):
         for name, params in EXPORTED.findall(source.read_text()):
             types = tuple(ctypes.c_void_p if "*" in p else C_TYPES[p.split()[-2]] for p in params.split(","))
             found[name] = (source.stem, types)
@@ -48,7 +49,7 @@ def test_loaded_functions_carry_the_declared_types(name):
 def test_no_module_but_the_bindings_and_the_loader_uses_ctypes():
     users = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                    if re.search(r"^\s*(import ctypes|from ctypes)", path.read_text(), re.MULTILINE))
-    assert users == ["bindings.py", "native.py"]
+    assert users == ["engine/bindings.py", "engine/native.py"]
 
 
 def test_a_missing_library_is_named_before_any_call(monkeypatch):

@@ -1,4 +1,4 @@
-"""hermes_kernels.geometry.ModelGeometry: the one record of a model's attention geometry. Its default inverse
+"""hermes_kernels.engine.geometry.ModelGeometry: the one record of a model's attention geometry. Its default inverse
 frequencies are transformers' own, its head-dim variants keep the rotary layout's kind, and bad fields are refused
 naming the field."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 from transformers.models.qwen2 import configuration_qwen2, modeling_qwen2
 from transformers.models.qwen3_5 import configuration_qwen3_5, modeling_qwen3_5
 
-from hermes_kernels.geometry import ModelGeometry
+from hermes_kernels.engine.geometry import ModelGeometry
 from hermes_kernels.rope import RotaryLayout
 from tests.utils import assert_close_verbose
 

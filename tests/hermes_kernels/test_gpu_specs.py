@@ -1,5 +1,5 @@
 """The GPU compile guard: every Triton kernel builds for sm_80 and sm_90 without a GPU (bench/kernels.py over the specs
-of hermes_kernels/gpu_specs.py), within its spill bound and the target's shared-memory limit, its row moves
+of hermes_kernels/engine/gpu_specs.py), within its spill bound and the target's shared-memory limit, its row moves
 vectorised, and no kernel of the package goes without a spec.
 
 The guard runs once per session as `python -m bench.kernels --json` in a subprocess without TRITON_INTERPRET: this
@@ -24,12 +24,12 @@ import torch
 from bench import kernels as guard_module
 from bench import ptx
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
-from hermes_kernels import gpu_specs
+from hermes_kernels.engine import gpu_specs
 from hermes_kernels.policies.h2svc.gpu_case import H2SVCCase
 from hermes_kernels.policies.hermes.gpu_case import HermesCase
 from hermes_kernels.policies.h2svc import gpu_specs as h2svc_specs
 from hermes_kernels.policies.h2svc import step as step_kernels
-from hermes_kernels.launch import launch, launch_count, recording
+from hermes_kernels.engine.launch import launch, launch_count, recording
 from hermes_kernels.rope import RotaryLayout
 from tests.utils import REPO
 
@@ -112,7 +112,7 @@ def test_partial_rotary_shares_the_compiles_of_full_rotary(guard):
 
 # the approximate instructions a kernel's PTX may hold, by opcode family (docs/gpu.md#rounding): ex2.approx in the
 # softmax of the pooled attention and in the scores' recency; every division and root is correctly rounded (the
-# scores and frame features decide keep sets and STCE evictions: they divide with hermes_kernels.rounding.div_rn)
+# scores and frame features decide keep sets and STCE evictions: they divide with hermes_kernels.engine.rounding.div_rn)
 APPROXIMATE_ALLOWED = {"_row_lse_kernel": {"ex2"}, "_pooled_kernel": {"ex2"}, "_hermes_scores_kernel": {"ex2"}}
 
 
@@ -320,7 +320,7 @@ def test_coverage_rules(monkeypatch):
     assert problems[2].startswith("fake.host at case: the driver raised")
     assert problems[3:] == ["fake.host names hermes_kernels.fake.host but never launches it",
                             "hermes_kernels.fake.unspecced has no compile spec (register one with "
-                            "hermes_kernels.gpu_specs.gpu_spec)"]
+                            "hermes_kernels.engine.gpu_specs.gpu_spec)"]
 
 
 def test_gpu_spec_rejects_bad_arguments():

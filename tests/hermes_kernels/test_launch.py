@@ -1,12 +1,12 @@
-"""The one launch point (hermes_kernels/launch.py): a launch runs on its tensors' device, refuses tensors on two
+"""The one launch point (hermes_kernels/engine/launch.py): a launch runs on its tensors' device, refuses tensors on two
 devices, and sets FMA contraction explicitly. The CUDA calls are mocked: no GPU is needed (docs/gpu.md)."""
 import types
 
 import pytest
 import torch
 
-from hermes_kernels import launch as launch_module
-from hermes_kernels.launch import launch, launch_count, recording
+from hermes_kernels.engine import launch as launch_module
+from hermes_kernels.engine.launch import launch, launch_count, recording
 
 
 class _CurrentDevice:
@@ -135,7 +135,7 @@ def test_an_h2svc_block_launches_on_its_own_device_wherever_inv_freq_is():
     (a model whose rotary module sits on the first GPU): every launch carries the block's device only."""
     import hermes_kernels as hk
     from hermes_kernels.policies.h2svc.config import EPISODIC
-    from hermes_kernels.geometry import ModelGeometry
+    from hermes_kernels.engine.geometry import ModelGeometry
     from hermes_kernels.policies.h2svc.gpu_case import H2SVCCase
 
     cfg = hk.H2SVCConfig.llava_ov(num_layers=2, num_kv_heads=2, prefix_len=3)

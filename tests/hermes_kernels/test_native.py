@@ -1,5 +1,5 @@
-"""The C build cache of `hermes_kernels.native`: built once per machine, keyed by source, compiler, flags and CPU,
-safe under concurrent first builds, still working when the cache folder cannot be used, and a trust boundary: a
+"""The C build cache of `hermes_kernels.engine.native`: built once per machine, keyed by source, compiler, flags and
+CPU, safe under concurrent first builds, still working when the cache folder cannot be used, and a trust boundary: a
 library is loaded only from a private folder (docs/security.md). Every test points HERMES_KERNELS_CACHE at its own
 tmp folder; the cross-process ones run `python -c` from the checkout."""
 from __future__ import annotations
@@ -15,13 +15,13 @@ import warnings
 
 import pytest
 
-from hermes_kernels import native
+from hermes_kernels.engine import native
 from tests.utils import REPO
 
 # run in a subprocess: build or load one library, then report what happened as one JSON line
 REPORT = """
 import json, os, sys, time
-import hermes_kernels.native as n
+import hermes_kernels.engine.native as n
 go = os.environ.get("HK_TEST_GO")
 if go:  # say "imported", then wait for the starting signal, so that concurrent builds overlap
     open(f"{go}.ready.{os.getpid()}", "w").close()

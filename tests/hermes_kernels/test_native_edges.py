@@ -1,5 +1,5 @@
-"""hermes_kernels.native's smaller rules, in-process (docs/security.md#native-cache): the reason given when there is
-no compiler at all, each cache warning said once, which files the cache loads (a missing one silently not, a folder,
+"""hermes_kernels.engine.native's smaller rules, in-process (docs/security.md#native-cache): the reason given when there
+is no compiler at all, each cache warning said once, which files the cache loads (a missing one silently not, a folder,
 a socket or a group-writable file with a warning naming it), and the builds' fallbacks when the cache folder cannot
 be written and the first flag fails, or when no temporary folder can be made."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from hermes_kernels import native
+from hermes_kernels.engine import native
 from tests.hermes_kernels.test_native import cache, load  # noqa: F401 (the fixture, and a fresh build)
 
 

@@ -1,12 +1,12 @@
-"""hermes_kernels.ranks and hermes_kernels.workspace at their edges: the counting ranks' torch ops on an empty row
-set, their int64 result; scratch on the device it is asked for (the meta device stands in for CUDA on a CPU-only
-machine). The ranks themselves are checked against each other by the compaction and H2SVC step tests."""
+"""hermes_kernels.engine.ranks and hermes_kernels.engine.workspace at their edges: the counting ranks' torch ops on an
+empty row set, their int64 result; scratch on the device it is asked for (the meta device stands in for CUDA on a
+CPU-only machine). The ranks themselves are checked against each other by the compaction and H2SVC step tests."""
 import pytest
 import torch
 
-from hermes_kernels import native
-from hermes_kernels.ranks import dense_rank, dense_rank_counting
-from hermes_kernels.workspace import scratch
+from hermes_kernels.engine import native
+from hermes_kernels.engine.ranks import dense_rank, dense_rank_counting
+from hermes_kernels.engine.workspace import scratch
 
 
 @pytest.fixture(params=["torch-ops", "c"])

@@ -8,7 +8,7 @@ from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl, modeling_qw
 from transformers.models.qwen3_5 import configuration_qwen3_5, modeling_qwen3_5
 from transformers.models.qwen3_vl import configuration_qwen3_vl, modeling_qwen3_vl
 
-from hermes_kernels.checks import check_rotary
+from hermes_kernels.engine.checks import check_rotary
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta, compact_positions, rotary_angles, rotary_cos_sin
 from tests.utils import assert_close_verbose, inv_freq_for
 

@@ -18,9 +18,9 @@ import hermes_kernels as hk
 from hermes.cache import Forward, StreamCacheBase, layer_runs
 from hermes.linear_state import LinearLayout
 from hermes.parallel import refusing_ranks
-from hermes_kernels.checks import check_group, check_positive_int, read_contents
-from hermes_kernels.dispatch import check_backend
-from hermes_kernels.dtypes import CACHE_DTYPES
+from hermes_kernels.engine.checks import check_group, check_positive_int, read_contents
+from hermes_kernels.engine.dispatch import check_backend
+from hermes_kernels.engine.dtypes import CACHE_DTYPES
 from hermes_kernels.policies.h2svc.checks import check_h2svc_step
 from hermes_kernels.policies.h2svc.clock import StreamClock
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, H2SVCConfig, class_id

@@ -20,7 +20,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hermes.linear_state import LINEAR, layer_kinds
 from hermes.models import family_of
-from hermes_kernels.checks import check_positive_int
+from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.policies.h2svc.config import class_counts
 from hermes_kernels.policies.h2svc.reference import classify_heads, head_scores
 

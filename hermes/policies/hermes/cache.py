@@ -15,8 +15,8 @@ import torch
 import hermes_kernels as hk
 from hermes.dense import DenseCache
 from hermes.linear_state import LinearLayout
-from hermes_kernels.checks import check_group, check_positive_int
-from hermes_kernels.dispatch import check_backend
+from hermes_kernels.engine.checks import check_group, check_positive_int
+from hermes_kernels.engine.dispatch import check_backend
 from hermes_kernels.policies.hermes.checks import check_attn_finite, check_stacks
 from hermes_kernels.policies.hermes.config import HermesConfig
 from hermes_kernels.policies.hermes.tensor_parallel import group_mean

@@ -1,17 +1,17 @@
 """Input checks of the H2SVC ops, shared by `hermes_kernels.policies.h2svc.reference` and the ops of
-`hermes_kernels`, over the generic helpers of `hermes_kernels.checks`. Each runs before anything is written and
+`hermes_kernels`, over the generic helpers of `hermes_kernels.engine.checks`. Each runs before anything is written and
 raises ValueError or TypeError starting with the argument's name. Two kinds (ours): structure (types, shapes, dtypes,
 devices, host ints, the memory a step writes, by strides alone) is always checked; contents (frame indices,
-finiteness) are read only where `hermes_kernels.checks.read_contents` allows, so a step on CUDA makes no host sync.
-docs/h2svc.md §7.3, docs/api.md#input-checks.
+finiteness) are read only where `hermes_kernels.engine.checks.read_contents` allows, so a step on CUDA makes no host
+sync. docs/h2svc.md §7.3, docs/api.md#input-checks.
 """
 from __future__ import annotations
 
 import torch
 
-from ...checks import (check_int, check_keys_values, check_positions, check_rotary, check_same_device, check_tensor,
-                       check_written, read_contents)
-from ...dtypes import CACHE_DTYPES, SCORE_DTYPES
+from ...engine.checks import (check_int, check_keys_values, check_positions, check_rotary, check_same_device,
+                              check_tensor, check_written, read_contents)
+from ...engine.dtypes import CACHE_DTYPES, SCORE_DTYPES
 from .clock import StreamClock
 from .config import EPISODIC, H2SVCConfig, class_counts, class_id
 

@@ -13,7 +13,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from ...checks import REINDEX_MODES
+from ...engine.checks import REINDEX_MODES
 
 INSTANT, SHORT, EPISODIC = 0, 1, 2
 CLASS_NAMES = ("instant", "short", "episodic")

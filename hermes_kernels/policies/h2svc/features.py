@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...dtypes import TRITON_WORK, work_dtype
-from ...launch import launch
-from ...rounding import div_rn
+from ...engine.dtypes import TRITON_WORK, work_dtype
+from ...engine.launch import launch
+from ...engine.rounding import div_rn
 
 __all__ = ["frame_features_torch", "frame_features_triton"]
 

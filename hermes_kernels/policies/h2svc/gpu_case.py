@@ -1,5 +1,5 @@
-"""The H2SVC case the GPU compile guard drives the kernels' launchers at (`hermes_kernels.gpu_specs`): every class
-block of one step, as meta tensors laid out as the cache hands them over."""
+"""The H2SVC case the GPU compile guard drives the kernels' launchers at (`hermes_kernels.engine.gpu_specs`): every
+class block of one step, as meta tensors laid out as the cache hands them over."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from ...geometry import ModelGeometry
-from ...gpu_specs import meta
+from ...engine.geometry import ModelGeometry
+from ...engine.gpu_specs import meta
 from ...rope import RotaryLayout
 from .clock import StreamClock
 from .config import EPISODIC, INSTANT, SHORT, H2SVCConfig
@@ -38,7 +38,7 @@ class H2SVCCase:
     """
 
     label: str
-    geometry: ModelGeometry  # hermes_kernels.geometry; its layers and KV heads are the config's
+    geometry: ModelGeometry  # hermes_kernels.engine.geometry; its layers and KV heads are the config's
     dtype: torch.dtype
     cfg: H2SVCConfig
     chunk_frames: int

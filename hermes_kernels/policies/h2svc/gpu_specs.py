@@ -1,11 +1,11 @@
-"""Compile spec of the H2SVC kernels for the GPU compile guard (registry: `hermes_kernels.gpu_specs`; the guard:
+"""Compile spec of the H2SVC kernels for the GPU compile guard (registry: `hermes_kernels.engine.gpu_specs`; the guard:
 `python -m bench.kernels`, docs/benchmarks.md#kernels): one driver runs the Triton step on every class block of
 an `H2SVCCase`, so it covers the feature, STCE and move kernels the step launches. Kept apart from the kernels, so
 importing an op never imports the guard's cases.
 """
 from __future__ import annotations
 
-from ...gpu_specs import gpu_spec
+from ...engine.gpu_specs import gpu_spec
 from .features import _frame_features_kernel
 from .gpu_case import H2SVCCase
 from .stce import _stce_kernel

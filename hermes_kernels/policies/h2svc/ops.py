@@ -1,5 +1,5 @@
 """The H2SVC ops of the kernel library (docs/h2svc.md §7): input checks, then the backend the one dispatch point
-(`hermes_kernels.dispatch`) picks, each implementing the contract of `hermes_kernels.policies.h2svc.reference`.
+(`hermes_kernels.engine.dispatch`) picks, each implementing the contract of `hermes_kernels.policies.h2svc.reference`.
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from ...dispatch import pick
+from ...engine.dispatch import pick
 from ...results import H2SVCStepResult
 from ...rope import RotaryLayout
 from . import features as feature_kernels

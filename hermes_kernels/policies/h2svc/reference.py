@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ...dtypes import work_dtype
+from ...engine.dtypes import work_dtype
 from ...results import H2SVCStepResult
 from ...rope import RotaryLayout, apply_rotary_delta, compact_positions
 from .checks import (check_attention_profile, check_fifo, check_frame_features, check_h2svc_step, check_head_scores,

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import bindings, native
-from ...launch import launch
+from ...engine import bindings, native
+from ...engine.launch import launch
 
 __all__ = ["stce_select_torch", "stce_select_triton"]
 

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import bindings, native, ranks, rows_native, rows_torch
-from ...dtypes import TRITON_WORK, work_dtype
-from ...launch import launch
+from ...engine import bindings, native, ranks, rows_native, rows_torch
+from ...engine.dtypes import TRITON_WORK, work_dtype
+from ...engine.launch import launch
 from ...rope import RotaryLayout
 from . import features as _features
 from . import stce as _stce

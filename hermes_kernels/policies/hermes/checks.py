@@ -5,7 +5,7 @@ Every check runs before anything is written, so a failed call leaves the cache u
 argument and the expected shape. The only host synchronisation is the finiteness test of `attn`; the contents of
 `keep` are checked where reading them is free (CPU tensors; CUDA with HERMES_KERNELS_DEBUG=1), the memory of the
 tensors written in place by strides alone (docs/gpu.md#contracts). The generic checks both policies use are
-`hermes_kernels.checks`.
+`hermes_kernels.engine.checks`.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from ...checks import (check_disjoint, check_keys_values, check_positions, check_rotary, check_same_device,
-                       check_tensor, check_written, read_contents)
-from ...dtypes import CACHE_DTYPES, SCORE_DTYPES
+from ...engine.checks import (check_disjoint, check_keys_values, check_positions, check_rotary, check_same_device,
+                              check_tensor, check_written, read_contents)
+from ...engine.dtypes import CACHE_DTYPES, SCORE_DTYPES
 from ...rope import RotaryLayout
 from .config import HermesConfig
 
@@ -133,7 +133,7 @@ def check_cache(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
 def check_keep(keep: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                cfg: HermesConfig, layers: range | None = None, contents: bool | None = None) -> None:
     """keep int64 [L, B, min(budget, V)] on keys' device (as returned by `select_keep`), sharing no memory with the
-    cache it compacts. Contents (`hermes_kernels.checks.read_contents`: CPU tensors; CUDA with
+    cache it compacts. Contents (`hermes_kernels.engine.checks.read_contents`: CPU tensors; CUDA with
     HERMES_KERNELS_DEBUG=1): row (l, b) holds n_l = min(layer_budget[l], V) visual indices in [0, V), strictly
     increasing, then -1. The in-place compaction relies on it: a repeated index has two tokens written to one slot,
     one out of range reads and writes outside the cache, one out of order overwrites a row before it is moved."""

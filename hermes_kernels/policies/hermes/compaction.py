@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ... import ranks, rows_native, rows_torch
+from ...engine import ranks, rows_native, rows_torch
 from ...rope import RotaryLayout
 from .config import HermesConfig
 

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import ranks, workspace
-from ...dtypes import TRITON_WORK, work_dtype
-from ...launch import launch
-from ...rounding import div_rn
+from ...engine import ranks, workspace
+from ...engine.dtypes import TRITON_WORK, work_dtype
+from ...engine.launch import launch
+from ...engine.rounding import div_rn
 from ...rope import RotaryLayout
 from .config import DEEP, HermesConfig
 

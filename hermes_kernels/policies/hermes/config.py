@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from ...checks import REINDEX_MODES
+from ...engine.checks import REINDEX_MODES
 
 SHALLOW, MID, DEEP = 0, 1, 2
 ROLE_NAMES = ("shallow", "mid", "deep")

@@ -1,4 +1,4 @@
-"""The HERMES case the GPU compile guard drives the kernels' launchers at (`hermes_kernels.gpu_specs`): one
+"""The HERMES case the GPU compile guard drives the kernels' launchers at (`hermes_kernels.engine.gpu_specs`): one
 compression step's tensors, as meta tensors laid out as the streaming cache hands them over."""
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import dataclasses
 
 import torch
 
-from ...geometry import ModelGeometry
-from ...gpu_specs import meta
+from ...engine.geometry import ModelGeometry
+from ...engine.gpu_specs import meta
 from ...rope import RotaryLayout
 from .config import HermesConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class HermesCase:
-    """One compression step the launchers are driven at: model geometry (`hermes_kernels.geometry`), cache dtype,
+    """One compression step the launchers are driven at: model geometry (`hermes_kernels.engine.geometry`), cache dtype,
     budget and chunk.
 
     The tensors are laid out as `hermes.policies.hermes.cache.HermesCache` and `hermes.stream` hand them to the kernels:

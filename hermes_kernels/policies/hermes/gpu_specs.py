@@ -1,11 +1,11 @@
-"""Compile specs of the HERMES kernels for the GPU compile guard (registry: `hermes_kernels.gpu_specs`; the guard:
-`python -m bench.kernels`, docs/benchmarks.md#kernels): each driver calls one launcher of this folder on the
+"""Compile specs of the HERMES kernels for the GPU compile guard (registry: `hermes_kernels.engine.gpu_specs`; the
+guard: `python -m bench.kernels`, docs/benchmarks.md#kernels): each driver calls one launcher of this folder on the
 meta tensors of a `HermesCase`, as a compression step calls it. Kept apart from the kernels, so importing an op
 never imports the guard's cases.
 """
 from __future__ import annotations
 
-from ...gpu_specs import gpu_spec
+from ...engine.gpu_specs import gpu_spec
 from .compaction_triton import _move_kernel, _plan_kernel, _rank_kernel, compact_triton
 from .gpu_case import HermesCase
 from .pooling import _pooled_kernel, _row_lse_kernel, pooled_attention_triton

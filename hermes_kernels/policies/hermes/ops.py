@@ -1,5 +1,5 @@
 """The HERMES ops of the kernel library (docs/hermes.md §3): input checks, then the backend the one dispatch point
-(`hermes_kernels.dispatch`) picks, each implementing the contract of `hermes_kernels.policies.hermes.reference`.
+(`hermes_kernels.engine.dispatch`) picks, each implementing the contract of `hermes_kernels.policies.hermes.reference`.
 
 `compress_stacks` is the step of a cache split into per-device stacks; the scoring ops take `group=` (tensor
 parallelism): the ranks' pooled attention is averaged by one all-reduce (`tensor_parallel.group_mean`) and checked
@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from ...checks import check_group
-from ...dispatch import pick, resolve_backend
+from ...engine.checks import check_group
+from ...engine.dispatch import pick, resolve_backend
 from ...results import CompressResult
 from ...rope import RotaryLayout
 from . import compaction, compaction_triton, pooling, scoring, select

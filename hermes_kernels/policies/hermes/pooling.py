@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...checks import check_written
-from ...launch import launch
+from ...engine.checks import check_written
+from ...engine.launch import launch
 
 _LOG2E = 1.4426950408889634
 # the torch twin holds at most this many logits (and as many softmax outputs, and upcast keys) per chunk: 16 MiB in

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ...dtypes import work_dtype
+from ...engine.dtypes import work_dtype
 from ...results import CompressResult
 from ...rope import RotaryLayout, apply_rotary_delta, compact_positions
 from .checks import (check_attn, check_cache, check_reindexed, check_compress, check_keep, check_layers,

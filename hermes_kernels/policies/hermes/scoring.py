@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...checks import check_written
-from ...launch import launch
-from ...rounding import div_rn
+from ...engine.checks import check_written
+from ...engine.launch import launch
+from ...engine.rounding import div_rn
 from .config import HermesConfig
 
 

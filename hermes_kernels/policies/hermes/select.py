@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...checks import check_written
-from ...launch import launch
+from ...engine.checks import check_written
+from ...engine.launch import launch
 from .config import HermesConfig
 
 # digits of the threshold decided per sweep of a row: 32/4 = 8 sweeps for fp32 keys, 16 for fp64

@@ -10,7 +10,7 @@ import torch
 from hermes.cache import Counters, prefill
 from hermes.dense import DenseCache
 from hermes.policy import StreamPolicy, StreamSetup, register_policy
-from hermes_kernels.checks import check_positive_int
+from hermes_kernels.engine.checks import check_positive_int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 
 import hermes_kernels as hk
 from hermes_kernels.policies.h2svc import reference as ref
-import hermes_kernels.native as native
+import hermes_kernels.engine.native as native
 from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import poison_, require_c_library, same_bytes
 

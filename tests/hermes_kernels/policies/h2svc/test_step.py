@@ -19,13 +19,14 @@ import pytest
 import torch
 
 import hermes_kernels as hk
-from hermes_kernels import StreamClock, native
+from hermes_kernels import StreamClock
+from hermes_kernels.engine import native
 from hermes_kernels.policies.h2svc import step as step_kernels
-from hermes_kernels.ranks import dense_rank
+from hermes_kernels.engine.ranks import dense_rank
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig
 from hermes_kernels.policies.h2svc import reference as ref
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
-from hermes_kernels.launch import launch_count
+from hermes_kernels.engine.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import INTERLEAVED, PARTIAL, QWEN3_5_ROTARY, TOL, assert_close_verbose, inv_freq_for, inv_freq_of
 from tests.utils import poison_tail_, require_c_library, rotary_width, same_bytes

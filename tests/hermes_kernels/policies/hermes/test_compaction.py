@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import hermes_kernels as hk
-from hermes_kernels import bindings, native, ranks, rows_native, rows_torch, workspace
+from hermes_kernels.engine import bindings, native, ranks, rows_native, rows_torch, workspace
 from hermes_kernels.policies.hermes import compaction as compact_module
 from hermes_kernels.policies.hermes import compaction_triton
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import RotaryLayout, rotary_cos_sin
-from hermes_kernels.launch import launch_count
+from hermes_kernels.engine.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import (INTERLEAVED, PARTIAL, QWEN3_5_ROTARY, TOL, assert_close_verbose, assert_tails_equal,
                          distinct_attention, inv_freq_for, inv_freq_of, poison_tail_, require_c_library, rope_id,

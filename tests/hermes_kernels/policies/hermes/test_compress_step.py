@@ -6,8 +6,8 @@ import torch
 import hermes_kernels as hk
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
-from hermes_kernels.launch import launch_count
-from hermes_kernels.dispatch import resolve_backend
+from hermes_kernels.engine.launch import launch_count
+from hermes_kernels.engine.dispatch import resolve_backend
 from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import INTERLEAVED, PARTIAL, TOL, assert_close_verbose, assert_tails_equal, distinct_attention
 from tests.utils import inv_freq_for, inv_freq_of, poison_tail_, rope_id, rotary_width, synthetic_positions

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hermes_kernels as hk
-from hermes_kernels.checks import DEBUG_ENV, read_contents
+from hermes_kernels.engine.checks import DEBUG_ENV, read_contents
 from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.policies.hermes import scoring, select
 from tests.hermes_kernels.policies.hermes.test_compaction import F32, Case, make_cache, make_config

@@ -16,7 +16,7 @@ import torch
 import hermes_kernels as hk
 from hermes_kernels.policies.hermes.reference import pooled_attention as reference_pooled_attention
 from hermes_kernels.policies.hermes.pooling import pooled_attention_torch, pooled_attention_triton
-from hermes_kernels.launch import launch_count
+from hermes_kernels.engine.launch import launch_count
 from tests.utils import DEVICE
 from tests.utils import TOL, assert_close_verbose, poison_
 

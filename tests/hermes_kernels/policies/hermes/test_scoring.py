@@ -15,7 +15,7 @@ import hermes_kernels as hk
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes.reference import hermes_scores as reference_scores
 from hermes_kernels.policies.hermes.scoring import hermes_scores_torch, hermes_scores_triton
-from hermes_kernels.launch import launch_count
+from hermes_kernels.engine.launch import launch_count
 from tests.utils import DEVICE
 from tests.utils import assert_close_verbose, poison_
 

@@ -17,7 +17,7 @@ from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes.reference import hermes_scores as reference_scores
 from hermes_kernels.policies.hermes.reference import select_keep as reference_select_keep
 from hermes_kernels.policies.hermes.select import destination_map, select_keep_torch, select_keep_triton
-from hermes_kernels.launch import launch_count
+from hermes_kernels.engine.launch import launch_count
 from tests.utils import DEVICE
 from tests.utils import distinct_attention, poison_
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from .dtypes import CACHE_DTYPES
-from .rope import RotaryLayout
+from ..rope import RotaryLayout
 
 REINDEX_MODES = ("lazy", "eager")  # when positions are re-indexed (docs/hermes.md §2.7, docs/h2svc.md §4)
 # "1": contents checks also read CUDA tensors (one host sync each), a debugging aid (docs/gpu.md#contracts)

@@ -1,6 +1,6 @@
 /* Stage 4 on CPU: the row work of the in-place compaction (docs/hermes.md §2.6-2.8) in one pass over the cache.
  *
- * Called by hermes_kernels/rows_native.py (`move_rows_native`: HERMES's `compact_torch` and H2SVC's step on CPU
+ * Called by hermes_kernels/engine/rows_native.py (`move_rows_native`: HERMES's `compact_torch` and H2SVC's step on CPU
  * tensors; through bindings.py, as every function here) after the caller has planned everything small in torch: each
  * kept token's source slot and rotation-table rows, the deep layers' pruned slots and their table rows. This file
  * only moves rows. Worker t of T takes the (layer, stream, KV head) rows t, t + T, ... and walks each row's tokens

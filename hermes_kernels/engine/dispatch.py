@@ -1,7 +1,7 @@
 """The one dispatch point: every op's `backend="auto"|"triton"|"torch"` is resolved here.
 
 "triton" runs the Triton kernels (CUDA tensors; CPU through TRITON_INTERPRET=1 for testing), "torch" the vectorised
-PyTorch twins (on CPU some of their loops run in small C files, `hermes_kernels.native`), "auto" Triton for CUDA
+PyTorch twins (on CPU some of their loops run in small C files, `hermes_kernels.engine.native`), "auto" Triton for CUDA
 tensors and torch elsewhere.
 """
 from __future__ import annotations

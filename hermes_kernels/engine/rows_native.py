@@ -9,7 +9,7 @@ import torch
 
 from . import bindings, native
 from .bindings import C_DTYPES
-from .rope import RotaryLayout, rotary_cos_sin
+from ..rope import RotaryLayout, rotary_cos_sin
 
 __all__ = ["move_rows_native", "use_native", "native_blocker", "angle_table"]
 

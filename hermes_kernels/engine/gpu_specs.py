@@ -59,21 +59,22 @@ def gpu_spec(*kernels, case: type | None = None, max_spill_bytes: int = 0) -> Ca
     return register
 
 
+LIBRARY = __package__.partition(".")[0]  # hermes_kernels: this module sits in its engine folder
+SPEC_MODULE = "gpu_specs"  # the name of a policy folder's module of specs
+
+
 def _package_modules() -> list:
     """Every module of hermes_kernels and its subpackages, imported (so their specs are registered)."""
-    package = importlib.import_module(__package__)
+    package = importlib.import_module(LIBRARY)
     return [package] + [importlib.import_module(info.name)
-                        for info in pkgutil.walk_packages(package.__path__, prefix=f"{__package__}.")]
-
-
-SPEC_MODULE = "gpu_specs"  # the name of a policy folder's module of specs
+                        for info in pkgutil.walk_packages(package.__path__, prefix=f"{LIBRARY}.")]
 
 
 def registered_specs() -> list[GpuSpec]:
     """The specs of every `gpu_specs` module of the package's subpackages (imported here: no kernel module imports
     them)."""
-    package = importlib.import_module(__package__)
-    for info in pkgutil.walk_packages(package.__path__, prefix=f"{__package__}."):
+    package = importlib.import_module(LIBRARY)
+    for info in pkgutil.walk_packages(package.__path__, prefix=f"{LIBRARY}."):
         if info.name.rpartition(".")[2] == SPEC_MODULE and info.name != __name__:
             importlib.import_module(info.name)
     return list(_SPECS)

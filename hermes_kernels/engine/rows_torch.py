@@ -12,7 +12,7 @@ import torch
 
 from . import workspace
 from .dtypes import work_dtype
-from .rope import RotaryLayout, rotary_cos_sin, rotate_into
+from ..rope import RotaryLayout, rotary_cos_sin, rotate_into
 
 __all__ = ["move_rows_torch", "TileRows", "tile_tokens", "TILE_ELEMENTS"]
 

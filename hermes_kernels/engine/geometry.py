@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from .checks import check_positive_int
-from .rope import RotaryLayout
+from ..rope import RotaryLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ _SOURCE_DIR = Path(__file__).parent
 # -ffp-contract=off: every product and sum rounds on its own, as the torch ops of the reference do
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off"]
 _ARCHES = (["-march=native"], [])  # in order of preference
-_KEY_FORMAT = "hermes_kernels.native/1"  # bump when the key's contents change
+_KEY_FORMAT = "hermes_kernels.engine.native/1"  # bump when the key's contents change
 # /proc/cpuinfo fields of the first processor that describe what -march=native sees (x86, then Arm)
 _CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "flags",
                "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
