@@ -48,7 +48,7 @@ SELECTIONS: list[tuple[str, list[str], str]] = [
     ("hermes_kernels/engine/geometry.py", ["tests/hermes_kernels/test_geometry.py"], NOT_TRITON),
     ("hermes_kernels/engine/checks.py", ["tests/hermes_kernels"], NOT_TRITON),
     ("hermes_kernels/rope.py", KERNEL_POLICIES, NOT_TRITON),
-    ("hermes_kernels/rows_*.py", KERNEL_POLICIES, NOT_TRITON),
+    ("hermes_kernels/engine/rows_*.py", KERNEL_POLICIES, NOT_TRITON),
     ("hermes_kernels/policies/*", KERNEL_POLICIES, NOT_TRITON),
     ("hermes/video.py", ["tests/hermes/test_video.py", "tests/hermes/test_video_edges.py"], NO_THREADS),
     ("hermes/commands.py", ["tests/hermes/test_commands.py", "tests/hermes/test_commands_edges.py",
