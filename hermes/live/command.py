@@ -48,21 +48,25 @@ def run_live(model: str | os.PathLike | LoadedModel, source: str | os.PathLike, 
     Records: every event's `to_json()` as the session yields it ("chunk", "dropped", "answer", the last one
     "ended"; docs/live.md#events), then {"type": "summary", **LiveSession.summary(), "source": the source's
     counters} — also after an error or a KeyboardInterrupt (its "ended": "interrupted"), which then propagate. The
-    checks come first (`hermes.cli.check_live_run`), then the weights load, then the source opens (a source that
-    cannot open within open_timeout: ValueError "live: cannot open ..."), then the stream is built for the size of
+    checks come first (`hermes.cli.check_live_run`), then the source opens (a source that cannot open within
+    open_timeout: ValueError "live: cannot open ..."), then the weights load and the stream is built for the size of
     its frames.
     """
     check = check_live_run(model, source, live=live, questions=questions, ask_at=ask_at, watch=watch, fps=fps,
                            chunk_frames=chunk_frames, budget=budget, policy=policy, head_map=head_map, device=device,
                            dtype=dtype, max_new_tokens=max_new_tokens, max_lag=max_lag, open_timeout=open_timeout,
                            stall_timeout=stall_timeout, reconnect=reconnect)
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, check.device, check.dtype,
-                                                                      processor=check.processor)
+    # the source opens before the weights load, so one that cannot (a closed port, an unreachable host) is refused
+    # before they do; frames that arrive meanwhile wait in its bounded queue, and the session drops the late ones
+    family, processor = (model.family, model.processor) if isinstance(model, LoadedModel) else \
+        (check.family, check.processor)
     # a file's kept size is known from its header; a live source's once it is open
-    keep = check.keep if not live else (lambda height, width: loaded.family.kept_size(loaded.processor, height, width))
+    keep = check.keep if not live else (lambda height, width: family.kept_size(processor, height, width))
     frames = open_source(os.fspath(source), live=live, fps=fps, keep=keep, realtime=not live,
                          open_timeout=open_timeout, stall_timeout=stall_timeout, reconnect=reconnect)
     try:
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, check.device, check.dtype,
+                                                                          processor=check.processor)
         stream = build_stream(loaded, policy=policy, budget=budget, chunk_frames=chunk_frames, head_map=head_map,
                               frame_size=processed_size(loaded, frames.frame_size, chunk_frames, fps))
         session = LiveSession(stream, frames, chunk_frames=chunk_frames, max_lag=max_lag,

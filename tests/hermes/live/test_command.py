@@ -333,8 +333,12 @@ def test_a_live_refusal_is_one_line_naming_the_option(argv, message, checkpoint,
     assert error_line(cli.main, capsys, ["--model", checkpoint, *argv, *RUN], status=2).startswith(f"error: {message}")
 
 
-def test_a_closed_port_fails_in_one_line(checkpoint, capsys):
-    """Nobody listens: one line naming --live once the checkpoint is checked and loaded, exit status 1."""
+def test_a_closed_port_fails_in_one_line_before_any_weights_load(checkpoint, capsys, monkeypatch):
+    """Nobody listens: one line naming --live once the checkpoint is checked, before its weights load, exit
+    status 1."""
+    from hermes.live import command
+    loads = []
+    monkeypatch.setattr(command, "load_model", lambda *a, **k: loads.append(a))
     url = f"tcp://127.0.0.1:{free_port()}"
     line = error_line(cli.main, capsys, ["--model", checkpoint, "--live", url, "--open-timeout", "1", *RUN, "--quiet"])
-    assert line == f"error: live: cannot open --live '{url}': Connection refused"
+    assert line == f"error: live: cannot open --live '{url}': Connection refused" and loads == []
