@@ -245,19 +245,26 @@ class ModelFamily(abc.ABC):
             raise TypeError(f"append_video: unexpected arguments for {self.name}: {sorted(kwargs)}")
 
 
+def seconds_of(values, count: int, name: str, what: str) -> list[float]:
+    """`values` (a sequence or a tensor of numbers) as `count` floats, else a ValueError naming `name`: "expected the
+    seconds of each of the {count} {what}"."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    try:
+        seconds = [float(t) for t in values]
+    except (TypeError, ValueError):
+        seconds = None
+    if seconds is None or isinstance(values, str) or len(seconds) != count:
+        raise ValueError(f"{name}: expected the seconds of each of the {count} {what}, got {values!r}")
+    return seconds
+
+
 def check_times(times: Sequence[float] | None, count: int) -> list[float] | None:
     """`prepare_frames`' `times` as floats (None stays None): `count` finite seconds, strictly increasing, else a
     ValueError naming `times`."""
     if times is None:
         return None
-    if isinstance(times, torch.Tensor):
-        times = times.tolist()
-    try:
-        seconds = [float(t) for t in times]
-    except (TypeError, ValueError):
-        seconds = None
-    if seconds is None or isinstance(times, str) or len(seconds) != count:
-        raise ValueError(f"times: expected the seconds of each of the {count} frames, got {times!r}")
+    seconds = seconds_of(times, count, "times", "frames")
     if not all(math.isfinite(t) for t in seconds):
         raise ValueError(f"times: expected finite seconds, got {seconds}")
     if any(b <= a for a, b in zip(seconds, seconds[1:])):

@@ -17,7 +17,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
 from hermes_kernels.rope import RotaryLayout
 
-from .base import VideoChunk, check_times, size_of
+from .base import VideoChunk, check_times, seconds_of, size_of
 from .qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLPilVideoProcessor
 
 TIMESTAMP_DIGITS = 5  # integer digits of a frame's timestamp: runs keep one length up to 99999.9 s (27.7 h)
@@ -196,15 +196,7 @@ class Qwen3_VL(Qwen2_5_VL):
 
     @staticmethod
     def _check_timestamps(timestamps, count: int) -> list[float]:
-        if isinstance(timestamps, torch.Tensor):
-            timestamps = timestamps.tolist()
-        try:
-            seconds = [float(s) for s in timestamps]
-        except (TypeError, ValueError):
-            seconds = None
-        if seconds is None or isinstance(timestamps, str) or len(seconds) != count:
-            raise ValueError(f"timestamps: expected the seconds of each of the {count} temporal steps (shared by "
-                             f"the streams), got {timestamps!r}")
+        seconds = seconds_of(timestamps, count, "timestamps", "temporal steps (shared by the streams)")
         for value in seconds:
             timestamp_text(value)  # raises, naming timestamps
         return seconds
