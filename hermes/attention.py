@@ -2,8 +2,9 @@
 back to.
 
 `hermes_attention_forward` is registered as "hermes" and set on the language model only (`patch_model`). A call
-whose keys come from a policy cache (`hermes.cache.claim_update`) goes to that cache's `attend`; any other call (no
-cache, a `DynamicCache`) to `model_attention`. docs/policies.md#the-one-attention-function.
+whose keys come from a policy cache (`hermes.cache.claim_update`) goes to that cache's `attend` (its own layers) or
+`attend_side` (sliding-window and KV-shared layers); any other call (no cache, a `DynamicCache`) to
+`model_attention`. docs/policies.md#the-one-attention-function.
 """
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ def hermes_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if claimed is None:
         return model_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     cache, layer = claimed
-    return cache.attend(module, layer, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if isinstance(layer, int):
+        return cache.attend(module, layer, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            **kwargs)
+    return cache.attend_side(module, layer, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             **kwargs)
 
 
 def flash_usable(query: torch.Tensor) -> bool:

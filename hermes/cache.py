@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from hermes.linear_state import RECURRENT, LinearLayout, LinearStates
+from hermes.window import WindowLayout, Windows, window_mask
 from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.rope import RotaryLayout
 
@@ -25,19 +26,39 @@ _HANDOFF = threading.local()
 T = TypeVar("T")
 
 
-def claim_update(key: torch.Tensor) -> tuple["StreamCacheBase", int] | None:
-    """The (cache, layer) whose `update` returned exactly `key`, consumed once; None for any other tensor.
+def claim_update(key: torch.Tensor) -> tuple["StreamCacheBase", Any] | None:
+    """The (cache, layer) whose `update` returned exactly `key`, consumed once; None for any other tensor. `layer`
+    is the cache's layer (an int) for a policy layer, else a `SideLayer` (a sliding-window layer, or a KV-shared
+    layer reading a layer's keys).
 
     The model calls `cache.update` right before its attention function, on the same thread, and passes the
     returned keys on unchanged; identity of that tensor object ties the attention call to the cache without
-    threading anything through the model's forward signature.
+    threading anything through the model's forward signature. A KV-shared layer (Gemma 4) calls no `update`: it
+    attends over the keys an earlier layer's `update` returned, which stay claimable as that layer's, read as
+    shared, for the rest of the forward.
     """
     last = getattr(_HANDOFF, "last", None)
-    if last is None or last[2] is not key:
-        return None
-    _HANDOFF.last = None
-    cache = last[0]()
-    return None if cache is None else (cache, last[1])
+    if last is not None and last[2] is key:
+        _HANDOFF.last = None
+        cache = last[0]()
+        return None if cache is None else (cache, last[1])
+    for cache_ref, layer, keys in getattr(_HANDOFF, "shared", ()):
+        if keys is key:
+            cache = cache_ref()
+            return None if cache is None else (cache, SideLayer(layer.decoder if isinstance(layer, SideLayer)
+                                                                else layer, shared=True,
+                                                                sliding=isinstance(layer, SideLayer)))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SideLayer:
+    """What an attention call outside the policy's own layers reads: `decoder`, a sliding-window decoder layer that
+    computes its keys (`sliding`), or the cache layer a KV-shared layer reads (`shared`, not `sliding`)."""
+
+    decoder: int
+    shared: bool = False
+    sliding: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +82,11 @@ class Forward:
     stored: int
     after: Any = None
     masks: dict = dataclasses.field(default_factory=dict)
+    # the sliding-window layers' side of the forward (`StreamCacheBase` sets them): the stream position of its
+    # first token, stream - default positions, the incoming tokens' vision blocks
+    seen: int = 0
+    turn: int = 0
+    blocks: torch.Tensor | None = None
 
     @property
     def hidden_start(self):
@@ -145,6 +171,36 @@ class _LinearView(LinearAttentionCacheLayerMixin):
         return self._cache.length
 
 
+class _WindowView(CacheLayerMixin):
+    """A sliding-window layer's face for transformers (`Cache.is_sliding`, `len(cache)`); its ring lives in the
+    cache's `Windows` and is written through the cache's `update`."""
+
+    is_compileable = False
+    is_sliding = True
+    is_croppable = False
+
+    def __init__(self, cache: "StreamCacheBase", decoder_layer: int):
+        super().__init__()
+        self._cache = weakref.proxy(cache)
+        self._decoder_layer = decoder_layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Nothing to do: the rings are allocated up front."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self._decoder_layer)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self._cache.length
+
+    def get_max_length(self) -> int:
+        return self._cache.capacity
+
+
 def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
                rotary: Sequence[int] | RotaryLayout | None,
                layer_devices: Sequence[torch.device | str] | None,
@@ -202,17 +258,24 @@ class StreamCacheBase(Cache):
 
     def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  rotary: Sequence[int] | RotaryLayout | None, home_device: torch.device | str,
-                 counters: Counters = Counters(), linear: LinearLayout | None = None):
+                 counters: Counters = Counters(), linear: LinearLayout | None = None,
+                 windows: WindowLayout | None = None):
         """num_layers L, batch_size B, num_kv_heads Hkv, head_dim D: the cache's geometry (incoming key_states are
         [B, Hkv, T, D]); rotary: stored as the `RotaryLayout` of D/2 pairs every rotation of the cache reads (1D
         RoPE included); home_device: where default positions and padding counts live (layer 0's device);
         counters: the empty cache's host state (`reset()` puts it back); linear: a hybrid model's
         `LinearLayout` (its L full-attention layers are the cache's layers 0..L-1 in depth order, its
         linear-attention layers' states live in `linear_states`), None when every decoder layer is full
-        attention (docs/qwen3_5.md#hybrid-cache)."""
-        if linear is not None and len(linear.full_layers) != num_layers:
-            raise ValueError(f"linear: the layout has {len(linear.full_layers)} full-attention layers, the cache "
-                             f"{num_layers}")
+        attention (docs/qwen3_5.md#hybrid-cache); windows: a decoder's `WindowLayout` (its L full-attention layers
+        that compute their own keys are the cache's layers, its sliding-window layers' rings live in `windows`,
+        its KV-shared layers read their source's), None without sliding-window or KV-shared layers
+        (docs/gemma4.md)."""
+        if linear is not None and windows is not None:
+            raise ValueError("windows: a decoder with both linear-attention and sliding-window layers is not supported")
+        layout = linear if linear is not None else windows
+        if layout is not None and len(layout.full_layers) != num_layers:
+            raise ValueError(f"{'linear' if linear is not None else 'windows'}: the layout has "
+                             f"{len(layout.full_layers)} full-attention layers, the cache {num_layers}")
         self.rotary = RotaryLayout.of(rotary, head_dim // 2)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -232,13 +295,23 @@ class StreamCacheBase(Cache):
         self._length_before_commit = 0  # the length when the linear states' last committing context began
         self._buffers: list[torch.Tensor] = []
         # the model's decoder index -> the cache's layer, for the full-attention layers
-        full = range(num_layers) if linear is None else linear.full_layers
+        full = range(num_layers) if layout is None else layout.full_layers
         self._cache_layer = {decoder: layer for layer, decoder in enumerate(full)}
         self.linear_states = None if linear is None else LinearStates(linear, batch_size, self.allocate)
+        self.windows = None if windows is None else Windows(windows, batch_size, self.allocate)
+        self._seen = 0  # tokens of the uncompressed stream: the next token's stream position (sliding layers)
+        self._step_length = 0  # the length right after the last in-place step
+        # the decoder layer whose `update` begins a forward: the first that computes keys
+        self._first_writer = min((*full, *(() if windows is None else windows.sliding_layers)))
+        self._readers = {} if windows is None else windows.readers
         views = [_LayerView(self, layer, decoder) for decoder, layer in self._cache_layer.items()]
         if linear is not None:
             views = [views[self._cache_layer[i]] if kind != "linear_attention" else _LinearView(self, i)
                      for i, kind in enumerate(linear.kinds)]
+        if windows is not None:
+            own = {decoder: views[layer] for decoder, layer in self._cache_layer.items()}
+            own.update({i: _WindowView(self, i) for i in windows.sliding_layers})
+            views = [own[source] for source in windows.sources]
         Cache.__init__(self, layers=views)
 
     # ---- what a policy cache implements (docs/policies.md#cache) -------------------------------------------
@@ -266,6 +339,14 @@ class StreamCacheBase(Cache):
         """Forget every slot from `length` on (a question and its answer): ValueError naming `length` for a length
         that is not an int in the range the cache can drop to; storage is untouched."""
         raise NotImplementedError
+
+    def attend_shared(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """The attention of a KV-shared decoder layer that reads cache layer `layer`'s keys, after that layer
+        attended: query [B, H, T', D] at the default positions (the last T' of the forward's tokens), key/value as
+        `layer`'s `write` returned them. A policy cache of a model with KV-shared layers implements it."""
+        raise NotImplementedError(f"{type(self).__name__}: KV-shared layers are not supported by this policy")
 
     def contents(self) -> dict[str, torch.Tensor]:
         """What the cache holds now, by name: views of the valid slots with the stream axis first ([B, ...]); names
@@ -360,14 +441,17 @@ class StreamCacheBase(Cache):
         self._steps = 0
         self._reindexes = 0
         self._undefined = False
+        self._seen = self._step_length = 0
         if self.linear_states is not None:
             self.linear_states.reset()
+        if self.windows is not None:
+            self.windows.reset()
 
     # ---- forwards ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self, rel_positions: torch.Tensor | None = None, *, read_only: bool = False,
-                        keep: int | None = None,
-                        left_padding: torch.Tensor | None = None) -> Iterator["StreamCacheBase"]:
+                        keep: int | None = None, left_padding: torch.Tensor | None = None,
+                        blocks: torch.Tensor | None = None) -> Iterator["StreamCacheBase"]:
         """Describe the next forward(s) through the model: one forward, or `model.generate`'s prefill and
         decode steps.
 
@@ -379,6 +463,8 @@ class StreamCacheBase(Cache):
                        guidance prompts, docs/hermes.md §4); default all.
         left_padding:  int64 [B]: padding tokens at the start of the FIRST forward, per stream (a question batch
                        of uneven lengths); those slots stay hidden from every query in the context.
+        blocks:        int64 [T]: the vision block of each of the FIRST forward's tokens (-1: text), whose tokens
+                       see each other both ways on sliding-window layers (`VideoChunk.blocks`, docs/gemma4.md#masks).
         """
         if read_only and keep is not None:
             raise ValueError("keep: a read-only forward keeps nothing; pass read_only or keep, not both")
@@ -397,8 +483,17 @@ class StreamCacheBase(Cache):
         if states is not None and left_padding is not None:
             raise ValueError("left_padding: padding would pass through the linear-attention layers' states; a "
                              "hybrid model takes no left-padded forward (docs/qwen3_5.md#hybrid-cache)")
+        if self.windows is not None and left_padding is not None:
+            raise ValueError("left_padding: a sliding-window layer's window counts tokens, padding included; a model "
+                             "with sliding-window layers takes no left-padded forward (docs/gemma4.md#limits)")
+        if self.windows is not None and keep is not None and not read_only:
+            raise ValueError("keep: the sliding-window layers' rings would hold the tokens left out; a model with "
+                             "sliding-window layers stores all of a forward's tokens or none (docs/gemma4.md#limits)")
+        if blocks is not None and (not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.int64 or
+                                   blocks.dim() != 1):
+            raise ValueError(f"blocks: expected int64 [T], got {getattr(blocks, 'shape', type(blocks).__name__)}")
         self._context = {"rel_positions": rel_positions, "keep": 0 if read_only else keep,
-                         "left_padding": left_padding, "hidden": None}
+                         "left_padding": left_padding, "hidden": None, "blocks": blocks}
         if states is not None:
             states.begin(store=not read_only)
             start, epoch = self.length, states.epoch
@@ -418,58 +513,136 @@ class StreamCacheBase(Cache):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' write of one layer: the forward begun at layer 0 (`begin_forward`), the policy's `write`,
         the hand-off to the attention function; the counters move once the last layer has stored."""
+        windows = self.windows
+        if windows is not None and layer_idx in windows.slot_of:
+            return self._update_window(layer_idx, key_states, value_states)
         layer = self._cache_layer.get(layer_idx)
         if layer is None:
             raise RuntimeError(f"{type(self).__name__}.update: decoder layer {layer_idx} holds no keys in this cache")
         states = self.linear_states
         if states is not None:
             states.arrive(layer_idx, RECURRENT)
-        forward = self._forward_at(layer, key_states)
+        forward = self._forward_at(layer_idx, key_states, self.num_kv_heads, self.head_dim)
         keys, values = self.write(forward, layer, key_states, value_states)
-        _HANDOFF.last = (weakref.ref(self), layer, keys)
+        self._hand_off(layer_idx, layer, keys)
         if layer == self.num_layers - 1:
             self.counters = forward.after
+            self._seen = forward.seen + forward.stored
         if states is not None:
             states.leave(layer_idx)
         return keys, values
 
-    def _forward_at(self, layer_idx: int, key_states: torch.Tensor) -> Forward:
-        """The forward `update` of layer `layer_idx` belongs to: begun at layer 0, then the same one for every later
-        layer with the same token count (RuntimeError otherwise)."""
-        if layer_idx == 0:
+    def _update_window(self, layer_idx: int, key_states: torch.Tensor,
+                       value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding-window layer's write: its ring takes the incoming tokens at their stream positions; returns the
+        keys and values its queries see (`Windows.write`)."""
+        layout = self.windows.layout
+        forward = self._forward_at(layer_idx, key_states, layout.num_kv_heads, layout.head_dim)
+        keys, values = self.windows.write(layer_idx, forward.seen, forward.turn, key_states, value_states)
+        self._hand_off(layer_idx, SideLayer(layer_idx), keys)
+        return keys, values
+
+    def _hand_off(self, layer_idx: int, layer, keys: torch.Tensor) -> None:
+        """Tie the attention call that follows `update` to this cache (`claim_update`); keys a KV-shared layer
+        reads later in the forward stay claimable."""
+        _HANDOFF.last = (weakref.ref(self), layer, keys)
+        if layer_idx in self._readers.values():
+            _HANDOFF.shared = getattr(_HANDOFF, "shared", []) + [(weakref.ref(self), layer, keys)]
+
+    def _forward_at(self, layer_idx: int, key_states: torch.Tensor, heads: int, dim: int) -> Forward:
+        """The forward decoder layer `layer_idx`'s `update` belongs to: begun at the first decoder layer that
+        computes keys, then the same one for every later layer with the same token count (RuntimeError
+        otherwise). heads, dim: Hkv and D of that layer's keys."""
+        if layer_idx == self._first_writer:
             self._check_defined()
-            count = self._incoming_count(key_states)
-            rel, stored, pads = self._take_context(count)
-            self._forward = self.begin_forward(count, rel, stored)
+            count = self._incoming_count(key_states, heads, dim)
+            if self.windows is not None:
+                self.windows.check_count(count)
+            rel, stored, pads, blocks = self._take_context(count)
+            _HANDOFF.shared = []
+            forward = self.begin_forward(count, rel, stored)
+            forward.seen, forward.turn, forward.blocks = self._seen, self._seen - self.length, blocks
+            self._forward = forward
             if pads is not None:
                 self._context["hidden"] = (self._forward.hidden_start, pads.to(self._home_device))
         fwd = self._forward
         if fwd is None or key_states.shape[-2] != fwd.count:
             raise RuntimeError(f"{type(self).__name__}.update: layer {layer_idx} updated outside a forward that "
-                               f"began at layer 0 with the same token count")
+                               f"began at layer {self._first_writer} with the same token count")
         return fwd
 
-    def _incoming_count(self, key_states: torch.Tensor) -> int:
+    def _incoming_count(self, key_states: torch.Tensor, heads: int, dim: int) -> int:
         """T of a forward's key_states [B, Hkv, T, D]; ValueError unless B, Hkv and D are this cache's."""
         count = key_states.shape[-2]
-        expected = (self._batch_size, self.num_kv_heads, count, self.head_dim)
+        expected = (self._batch_size, heads, count, dim)
         if tuple(key_states.shape) != expected:
-            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={self.num_kv_heads}, T, "
-                             f"D={self.head_dim}] for this cache, got {tuple(key_states.shape)}")
+            raise ValueError(f"key_states: expected [B={self._batch_size}, Hkv={heads}, T, D={dim}] for this "
+                             f"cache, got {tuple(key_states.shape)}")
         return count
 
-    def _take_context(self, count: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
-        """At layer 0 of a forward of `count` tokens: (rel_positions of this forward, tokens it stores, its left
-        padding). The first forward of a context takes the context's offsets and padding (checked here); later
-        forwards are text after it."""
-        context = self._context or {"rel_positions": None, "keep": None, "left_padding": None, "hidden": None}
-        rel, pads = context["rel_positions"], context["left_padding"]
-        context["rel_positions"] = context["left_padding"] = None
+    def _take_context(self, count: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None, torch.Tensor | None]:
+        """At the first layer of a forward of `count` tokens: (rel_positions of this forward, tokens it stores, its
+        left padding, its vision blocks). The first forward of a context takes the context's offsets, padding and
+        blocks (checked here); later forwards are text after it."""
+        context = self._context or {"rel_positions": None, "keep": None, "left_padding": None, "hidden": None,
+                                    "blocks": None}
+        rel, pads, blocks = context["rel_positions"], context["left_padding"], context["blocks"]
+        context["rel_positions"] = context["left_padding"] = context["blocks"] = None
+        if blocks is not None and blocks.shape[0] != count:
+            raise ValueError(f"blocks: expected one block per incoming token ({count}), got {blocks.shape[0]}")
         if pads is not None and (int(pads.max()) >= count or int(pads.min()) < 0):
             raise ValueError(f"left_padding: expected counts in [0, T={count}) (every stream keeps a token), "
                              f"got {pads.tolist()}")
         keep = context["keep"]
-        return rel, count if keep is None else min(keep, count), pads
+        return rel, count if keep is None else min(keep, count), pads, blocks
+
+    # ---- sliding-window and KV-shared layers (hermes.window) --------------------------------------------------
+    def attend_side(self, module: torch.nn.Module, side: SideLayer, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                    scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """The attention of a layer outside the policy's own: a sliding-window layer, or a KV-shared layer reading one
+        (the queries turned to stream positions, over the window `update` returned, masked by `window_mask`), or a
+        KV-shared layer reading a policy layer (`attend_shared`). query [B, H, T', D]: the last T' of the
+        forward's tokens (transformers drops the others before the KV-shared layers when it keeps one logit)."""
+        if not side.sliding:
+            return self.attend_shared(module, side.decoder, query, key, value, attention_mask, dropout, scaling,
+                                      **kwargs)
+        from hermes.attention import model_attention  # hermes.attention imports this module for claim_update
+        fwd, layout = self.current_forward, self.windows.layout
+        query = self.windows.turn_query(self.windows_source(side.decoder), query, fwd.turn)
+        lo = max(0, fwd.seen - (layout.window - 1))
+        rows = query.shape[2]
+        mask = self.forward_mask(("window", rows), query.device, lambda: window_mask(
+            fwd.seen, fwd.count, lo, layout.window, fwd.blocks, query.device)[:, :, fwd.count - rows:])
+        return model_attention(module, query, key, value, mask, dropout, scaling, **kwargs)
+
+    def windows_source(self, layer_idx: int) -> int:
+        """The sliding decoder layer whose ring decoder layer `layer_idx` reads (itself or its KV source)."""
+        return self.windows.layout.sources[layer_idx]
+
+    def truncate_states(self, length: int) -> None:
+        """Called by a policy cache's `truncate` once `length` is valid, before its counters move: the
+        linear-attention states (`truncate_linear`) and the sliding-window layers' stream go back with the
+        length. The rings hold the tokens stored since the last in-place step, so on a model with sliding-window
+        layers only a length at or past the length that step left is accepted, and only while the window before
+        it is still in the rings; ValueError naming `length` for any other."""
+        self.truncate_linear(length)
+        if self.windows is None or length == self.length:
+            return
+        seen = self._seen - (self.length - length)
+        if length < self._step_length or not self.windows.can_return(seen):
+            raise ValueError(f"length: the sliding-window layers hold the tokens stored since the last step only; this "
+                             f"cache can go back to {max(self._step_length, self.length - self._seen)} at the "
+                             f"least, got {length} (docs/gemma4.md#limits)")
+        self._seen = seen
+
+    def side_contents(self) -> dict[str, torch.Tensor]:
+        """The layers outside the policy's own, for `contents()`: the linear-attention layers' committed states
+        (`LinearStates.contents`) and the sliding-window layers' windows (`Windows.contents`); empty without them."""
+        out = self.linear_contents()
+        if self.windows is not None:
+            out.update(self.windows.contents(self._seen))
+        return out
 
     # ---- a hybrid model's linear-attention layers (hermes.linear_state) ---------------------------------------
     def _linear(self, layer_idx: int) -> LinearStates:
@@ -590,6 +763,7 @@ class StreamCacheBase(Cache):
             began = clock()
         self._undefined = True
         result, reindexed = step()
+        self._step_length = self.length
         if clock is not None:
             self._synchronize()
             self.step_seconds += clock() - began
@@ -618,6 +792,7 @@ class StreamCacheBase(Cache):
         left `undefined`.
         """
         saved = self.counters, self._steps, self._reindexes
+        seen = self._seen
         states = self.linear_states
         epoch = None if states is None else states.epoch
         try:
@@ -625,6 +800,7 @@ class StreamCacheBase(Cache):
         except BaseException:
             if not self._undefined and self._steps == saved[1]:
                 self.counters, self._steps, self._reindexes = saved
+                self._seen = seen
                 if states is not None and states.epoch != epoch:
                     # one storing context committed inside the block: its commit is undone with the counters
                     if states.epoch == epoch + 1 and states.can_undo:
@@ -646,8 +822,11 @@ class StreamCacheBase(Cache):
 
 def prefill(language_model: torch.nn.Module, cache: StreamCacheBase, chunk, **context) -> None:
     """Store a chunk (`hermes.models.VideoChunk`): one forward of its embeddings [B, T, hidden] at its relative
-    positions, with the family's extra arguments (`chunk.lm_kwargs()`: Qwen3-VL's DeepStack); `context`: the policy
-    cache's own `forward_context` arguments (H2SVC: frames, extent)."""
+    positions, with the family's extra arguments (`chunk.lm_kwargs()`: Qwen3-VL's DeepStack) and vision blocks
+    (`chunk.blocks`, Gemma 4); `context`: the policy cache's own `forward_context` arguments (H2SVC: frames,
+    extent)."""
+    if chunk.blocks is not None:
+        context["blocks"] = chunk.blocks
     with cache.forward_context(chunk.rel_positions, **context):
         language_model(inputs_embeds=chunk.embeds, position_ids=cache.default_position_ids(chunk.embeds.shape[1]),
                        cache=cache, use_cache=True, **chunk.lm_kwargs())

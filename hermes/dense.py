@@ -15,6 +15,7 @@ import torch
 from hermes.attention import causal_mask, flash_usable, model_attention, padded_mask
 from hermes.cache import Counters, Forward, StreamCacheBase, layer_runs
 from hermes.linear_state import LinearLayout
+from hermes.window import WindowLayout
 from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 
@@ -60,18 +61,22 @@ class DenseCache(StreamCacheBase):
         counters:       the empty cache's host state (a `Counters` subclass for a policy's own counters).
         linear:         a hybrid model's `hermes.linear_state.LinearLayout` (this cache's layers are its full-attention
                         layers; the linear-attention layers' states are held too), None without linear layers.
+        windows:        a decoder's `hermes.window.WindowLayout` (this cache's layers are its full-attention layers
+                        that compute their own keys; the sliding-window layers' rings are held too), None without
+                        sliding-window or KV-shared layers.
     """
 
     def __init__(self, num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, inv_freq: torch.Tensor, rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
-                 counters: Counters = Counters(), linear: LinearLayout | None = None):
+                 counters: Counters = Counters(), linear: LinearLayout | None = None,
+                 windows: WindowLayout | None = None):
         runs = layer_runs(num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           inv_freq=inv_freq, rotary=rotary, layer_devices=layer_devices, stack_bounds=stack_bounds)
         check_positive_int("capacity", capacity)
         super().__init__(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=counters,
-                         linear=linear)
+                         linear=linear, windows=windows)
         self.capacity = capacity
         self.dtype = dtype
         self._stacks = [self._allocate(device, first, end - first, inv_freq) for device, first, end in runs]
@@ -117,7 +122,7 @@ class DenseCache(StreamCacheBase):
             views[f"layer {layer} keys"] = self.layer_keys(layer)
             views[f"layer {layer} values"] = self.layer_values(layer)
             views[f"layer {layer} positions"] = self.layer_positions(layer)
-        return {**views, **self.linear_contents()}
+        return {**views, **self.side_contents()}
 
     # ---- forwards ------------------------------------------------------------------------------------------
     def begin_forward(self, count: int, rel_positions: torch.Tensor | None, stored: int) -> DenseForward:
@@ -171,11 +176,21 @@ class DenseCache(StreamCacheBase):
         query = rotate_incoming(self, layer, query, key)
         return cached_attention(module, self, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
+    def attend_shared(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """A KV-shared layer's attention over `layer`'s slots, which `layer`'s own attention already turned to
+        their true positions: only the queries [b, H, T', D] (the forward's last T') are turned, then
+        `cached_attention`."""
+        delta = self.incoming_delta(layer)[..., -query.shape[2]:].unsqueeze(1)
+        query = apply_rotary_delta(query, delta, self.layer_inv_freq(layer), self.rotary)
+        return cached_attention(module, self, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (e.g. a question and its answer); storage is untouched."""
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.length:
             raise ValueError(f"length: expected an int in [0, {self.length}], got {length!r}")
-        self.truncate_linear(length)
+        self.truncate_states(length)
         self.counters = dataclasses.replace(self.counters, length=length)
 
 

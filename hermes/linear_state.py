@@ -12,12 +12,13 @@ import torch
 
 FULL = "full_attention"
 LINEAR = "linear_attention"
-LAYER_KINDS = (FULL, LINEAR)
+SLIDING = "sliding_attention"  # held by hermes.window
+LAYER_KINDS = (FULL, LINEAR, SLIDING)
 
 
 def layer_kinds(config) -> tuple[str, ...]:
     """The kind of every decoder layer of a model config (its text config's `layer_types`; all "full_attention"
-    without one). ValueError naming `layer_types` for a kind the caches do not hold (e.g. "sliding_attention"),
+    without one). ValueError naming `layer_types` for a kind the caches do not hold (e.g. "chunked_attention"),
     raised from the config alone, before any weight loads."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kinds = getattr(text, "layer_types", None)

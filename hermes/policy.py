@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from hermes.linear_state import LINEAR, LinearLayout, layer_kinds
+from hermes.linear_state import FULL, LINEAR, SLIDING, LinearLayout, layer_kinds
 from hermes.models import ModelFamily, family_of
 from hermes.parallel import HeadShard, head_shard
 # the registry, importable from here beside the base class a policy subclasses (docs/policies.md#registry)
 from hermes.registry import get_policy, policy_names, register_policy  # noqa: F401
 from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.engine.dispatch import check_backend
+from hermes.window import WindowLayout, kv_sources
 from hermes_kernels.engine.geometry import ModelGeometry
 
 if TYPE_CHECKING:
@@ -28,11 +29,15 @@ if TYPE_CHECKING:
 
 
 def attention_layers(model: torch.nn.Module, family: ModelFamily | None = None) -> list[torch.nn.Module]:
-    """The decoder layers that hold a KV cache (full attention), in depth order: every layer, or a hybrid model's
-    full-attention ones (`layer_types`; ValueError naming it for a kind the caches do not hold)."""
+    """The decoder layers whose keys the policy caches hold, in depth order: the full-attention layers that compute
+    their own keys (every layer of most models; not a hybrid model's linear-attention layers, nor Gemma 4's
+    sliding-window and KV-shared layers). ValueError naming `layer_types` for a kind the caches do not hold."""
     family = family or family_of(model)
     kinds = layer_kinds(model.config)
-    return [layer for layer, kind in zip(family.language_model(model).layers, kinds) if kind != LINEAR]
+    text = model.config.get_text_config()
+    sources = kv_sources(kinds, getattr(text, "num_kv_shared_layers", 0) or 0)
+    layers = family.language_model(model).layers
+    return [layers[i] for i, kind in enumerate(kinds) if kind == FULL and sources[i] == i]
 
 
 def geometry_of(model: torch.nn.Module, family: ModelFamily | None = None) -> ModelGeometry:
@@ -43,9 +48,12 @@ def geometry_of(model: torch.nn.Module, family: ModelFamily | None = None) -> Mo
     text_config = model.config.get_text_config()
     layers = attention_layers(model, family)
     rope = getattr(text_config, "rope_parameters", None) or {}
+    rope = rope.get(FULL, rope)  # per layer kind (Gemma 4): the full-attention layers'
     _, rotary = family.rotary(model)
+    attention = layers[0].self_attn
     return ModelGeometry(num_layers=len(layers), num_heads=text_config.num_attention_heads,
-                         num_kv_heads=text_config.num_key_value_heads, head_dim=layers[0].self_attn.head_dim,
+                         num_kv_heads=text_config.num_attention_heads // attention.num_key_value_groups,
+                         head_dim=attention.head_dim,
                          max_positions=text_config.max_position_embeddings,
                          rope_theta=rope.get("rope_theta", getattr(text_config, "rope_theta", None)), rotary=rotary)
 
@@ -72,6 +80,8 @@ class StreamSetup:
     linear:        a hybrid model's `hermes.linear_state.LinearLayout` (which decoder layer is which, the
                    linear-attention layers' state shapes), None when every layer is full attention
                    (docs/qwen3_5.md#hybrid-cache).
+    windows:       a `hermes.window.WindowLayout` for a decoder with sliding-window or KV-shared layers (Gemma 4,
+                   docs/gemma4.md), else None.
     """
 
     model: torch.nn.Module
@@ -91,6 +101,7 @@ class StreamSetup:
     layer_devices: tuple[torch.device, ...]
     shard: HeadShard | None = None
     linear: LinearLayout | None = None
+    windows: WindowLayout | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -120,15 +131,26 @@ class StreamSetup:
         check_positive_int("chunk_tokens", chunk_tokens)
         layers = attention_layers(model, family)
         linear = LinearLayout.of(language_model, kinds) if LINEAR in kinds else None
-        inv_freq, _ = family.rotary(model)
+        shared = getattr(model.config.get_text_config(), "num_kv_shared_layers", 0)
+        windows = WindowLayout.of(language_model, kinds, chunk_tokens + room) if SLIDING in kinds or shared else None
         geometry = geometry_of(model, family)
+        if shard is not None:
+            # the full-attention layers may have their own KV head count (Gemma 4): each must split evenly too
+            if geometry.num_kv_heads % shard.count:
+                raise ValueError(f"model: the {geometry.num_kv_heads} KV heads of the full-attention layers do not "
+                                 f"split evenly over {shard.count} ranks; tp_size must divide them")
+            shard = dataclasses.replace(shard, num_kv_heads=geometry.num_kv_heads)  # the policy layers' heads
+            geometry = shard.local(geometry)
+            if windows is not None:
+                windows = dataclasses.replace(windows, num_kv_heads=windows.num_kv_heads // shard.count)
+        inv_freq, _ = family.rotary(model)
         return cls(model=model, processor=processor, tokenizer=tokenizer, family=family,
                    language_model=language_model, batch_size=batch_size, chunk_tokens=chunk_tokens, room=room,
                    frame_size=frame_size, prefix_ids=prefix_ids, backend=backend,
-                   geometry=geometry if shard is None else shard.local(geometry),
+                   geometry=geometry,
                    dtype=layers[0].self_attn.k_proj.weight.dtype, inv_freq=inv_freq,
                    layer_devices=tuple(layer.self_attn.k_proj.weight.device for layer in layers), shard=shard,
-                   linear=linear)
+                   linear=linear, windows=windows)
 
 
 class StreamPolicy:

@@ -199,11 +199,12 @@ class HermesStream:
         padded = torch.tensor([[pad] * (count - len(i)) + i for i in ids], device=device)
         if all(len(i) == count for i in ids):
             return questions, padded, None
-        if self.cache.linear_states is not None:
+        if self.cache.linear_states is not None or self.cache.windows is not None:
             raise ValueError(f"question: the questions tokenize to {sorted({len(i) for i in ids})} tokens; on a "
-                             "hybrid model (linear-attention layers) the padding of a ragged batch would pass "
-                             "through the layers' states, so every stream's question must have the same token "
-                             "length (docs/qwen3_5.md#hybrid-cache)")
+                             "model with linear-attention layers (their states) or sliding-window layers (their "
+                             "windows count tokens) the padding of a ragged batch would pass through, so every "
+                             "stream's question must have the same token length (docs/qwen3_5.md#hybrid-cache, "
+                             "docs/gemma4.md#limits)")
         return questions, padded, torch.tensor([count - len(i) for i in ids], device=device)
 
     def _padded_offsets(self, ids: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor | None:

@@ -262,9 +262,9 @@ def test_a_layer_kind_the_caches_do_not_hold_is_refused_from_the_config(tmp_path
     from hermes.commands import check_checkpoint
     from scaffolding.models import tiny_qwen3_5
     config = tiny_qwen3_5().config
-    config.text_config.layer_types = ["sliding_attention", *config.text_config.layer_types[1:]]
+    config.text_config.layer_types = ["chunked_attention", *config.text_config.layer_types[1:]]
     config.save_pretrained(tmp_path)
-    with pytest.raises(UsageError, match=r"^layer_types: qwen3_5 has layers of kind 'sliding_attention'"):
+    with pytest.raises(UsageError, match=r"^layer_types: qwen3_5 has layers of kind 'chunked_attention'"):
         check_checkpoint(tmp_path)
 
 

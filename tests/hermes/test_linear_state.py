@@ -31,7 +31,7 @@ def test_the_text_config_of_a_vlm_says_which_layer_is_which():
 
 
 @pytest.mark.parametrize("kinds,match", [
-    (["full_attention", "sliding_attention", "chunked_attention"], r"'chunked_attention', 'sliding_attention'"),
+    (["full_attention", "sliding_attention", "chunked_attention", "mamba"], r"'chunked_attention', 'mamba'"),
     (["linear_attention", "linear_attention"], "no full-attention layer"),
 ])
 def test_kinds_the_caches_do_not_hold_are_refused_naming_them(kinds, match):

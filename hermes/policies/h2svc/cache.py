@@ -17,6 +17,7 @@ import torch
 import hermes_kernels as hk
 from hermes.cache import Forward, StreamCacheBase, layer_runs
 from hermes.linear_state import LinearLayout
+from hermes.window import WindowLayout
 from hermes.parallel import refusing_ranks
 from hermes_kernels.engine.checks import check_group, check_positive_int, read_contents
 from hermes_kernels.engine.dispatch import check_backend
@@ -90,13 +91,16 @@ class H2SVCCache(StreamCacheBase):
                         model's other heads (cfg's map is this rank's columns); None in one process.
         linear:         a hybrid model's `hermes.linear_state.LinearLayout` (this cache's layers are its full-attention
                         layers; the linear-attention layers' states are held too), None without linear layers.
+        windows:        a decoder's `hermes.window.WindowLayout` (sliding-window and KV-shared layers, Gemma 4) or
+                        None.
     """
 
     def __init__(self, cfg: H2SVCConfig, *, batch_size: int, num_heads: int, head_dim: int, chunk_frames: int,
                  room: int, dtype: torch.dtype, inv_freq: torch.Tensor,
                  rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
-                 classes: Sequence[int] | None = None, group=None, linear: LinearLayout | None = None):
+                 classes: Sequence[int] | None = None, group=None, linear: LinearLayout | None = None,
+                 windows: WindowLayout | None = None):
         if not isinstance(cfg, H2SVCConfig):
             raise TypeError(f"cfg: expected an H2SVCConfig, got {type(cfg).__name__}")
         runs = layer_runs(cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=head_dim,
@@ -112,7 +116,7 @@ class H2SVCCache(StreamCacheBase):
             raise TypeError(f"dtype: expected a floating dtype for keys and values, got {dtype}")
         super().__init__(num_layers=cfg.num_layers, batch_size=batch_size, num_kv_heads=cfg.num_kv_heads,
                          head_dim=head_dim, rotary=rotary, home_device=runs[0][0], counters=ClassCounters(),
-                         linear=linear)
+                         linear=linear, windows=windows)
         self.cfg = cfg
         self.group = group
         self.num_heads = num_heads
@@ -232,12 +236,13 @@ class H2SVCCache(StreamCacheBase):
                 views[f"{name} slot_frames"] = self.class_slot_frames(part.cls, layer)
                 if part.cls == EPISODIC:
                     views[f"{name} features"] = self.class_features(layer)[:, :, :self.counters.held[EPISODIC]]
-        return {**views, **self.linear_contents()}
+        return {**views, **self.side_contents()}
 
     # ---- writing ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self, rel_positions: torch.Tensor | None = None, *, read_only: bool = False,
-                        keep: int | None = None, left_padding: torch.Tensor | None = None, frames: int | None = None,
+                        keep: int | None = None, left_padding: torch.Tensor | None = None,
+                        blocks: torch.Tensor | None = None, frames: int | None = None,
                         extent: int | None = None) -> Iterator["H2SVCCache"]:
         """`StreamCacheBase.forward_context`, plus: `frames` F (with `extent`, the largest offset of
         `rel_positions`, a host int) makes the first forward a chunk of F frames of T_f tokens each, stored after
@@ -251,7 +256,8 @@ class H2SVCCache(StreamCacheBase):
                                  f"{extent!r}")
             if read_only or keep is not None or left_padding is not None:
                 raise ValueError("frames: a chunk is stored whole (no read_only, keep or left_padding)")
-        with super().forward_context(rel_positions, read_only=read_only, keep=keep, left_padding=left_padding):
+        with super().forward_context(rel_positions, read_only=read_only, keep=keep, left_padding=left_padding,
+                                     blocks=blocks):
             self._chunk = (frames, extent) if frames is not None else None
             try:
                 yield self
@@ -358,13 +364,19 @@ class H2SVCCache(StreamCacheBase):
         incoming key/value are already in the blocks and the mask is the class's own."""
         return class_attention(module, self, layer, query, dropout=dropout, scaling=scaling, **kwargs)
 
+    def attend_shared(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """A KV-shared layer's attention over `layer`'s class blocks (`attend`: the blocks hold the keys already)."""
+        return class_attention(module, self, layer, query, dropout=dropout, scaling=scaling, **kwargs)
+
     def truncate(self, length: int) -> None:
         """Forget text from `length` on (a question and its answer); the video (prefix and frames) stays."""
         video = self.length - self.counters.text
         if not isinstance(length, int) or isinstance(length, bool) or not video <= length <= self.length:
             raise ValueError(f"length: expected an int in [{video}, {self.length}] (only the text after the video "
                              f"can be dropped), got {length!r}")
-        self.truncate_linear(length)
+        self.truncate_states(length)
         self.counters = dataclasses.replace(self.counters, text=length - video)
 
     def reset(self) -> None:

@@ -87,7 +87,8 @@ class H2SVCPolicy(StreamPolicy):
             self.cfg, batch_size=setup.batch_size, num_heads=geometry.num_heads, head_dim=geometry.head_dim,
             chunk_frames=chunk_frames, room=setup.room, dtype=setup.dtype, inv_freq=setup.inv_freq,
             rotary=geometry.rotary, layer_devices=setup.layer_devices, classes=classes,
-            group=None if shard is None else shard.group, linear=setup.linear)
+            group=None if shard is None else shard.group, linear=setup.linear,
+            windows=setup.windows)
 
     @staticmethod
     def _head_map(head_map, model):

@@ -15,6 +15,7 @@ import torch
 import hermes_kernels as hk
 from hermes.dense import DenseCache
 from hermes.linear_state import LinearLayout
+from hermes.window import WindowLayout
 from hermes_kernels.engine.checks import check_group, check_positive_int
 from hermes_kernels.engine.dispatch import check_backend
 from hermes_kernels.policies.hermes.checks import check_attn_finite, check_stacks
@@ -49,6 +50,8 @@ class HermesCache(DenseCache):
                         model's other heads (this cache holds num_kv_heads of them); None in one process.
         linear:         a hybrid model's `hermes.linear_state.LinearLayout` (this cache's layers are its full-attention
                         layers; the linear-attention layers' states are held too), None without linear layers.
+        windows:        a decoder's `hermes.window.WindowLayout` (sliding-window and KV-shared layers, Gemma 4) or
+                        None.
     """
 
     step_name = "compression step"
@@ -57,7 +60,7 @@ class HermesCache(DenseCache):
                  dtype: torch.dtype, inv_freq: torch.Tensor,
                  rotary: Sequence[int] | RotaryLayout | None = None,
                  layer_devices: Sequence[torch.device | str] | None = None, stack_bounds: Sequence[int] = (),
-                 group=None, linear: LinearLayout | None = None):
+                 group=None, linear: LinearLayout | None = None, windows: WindowLayout | None = None):
         if not isinstance(cfg, HermesConfig):
             raise TypeError(f"cfg: expected a HermesConfig, got {type(cfg).__name__}")
         check_positive_int("capacity", capacity)
@@ -67,7 +70,7 @@ class HermesCache(DenseCache):
                              f"{cfg.prefix_len + cfg.budget} for a chunk or a question")
         super().__init__(cfg.num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          capacity=capacity, dtype=dtype, inv_freq=inv_freq, rotary=rotary,
-                         layer_devices=layer_devices, stack_bounds=stack_bounds, linear=linear)
+                         layer_devices=layer_devices, stack_bounds=stack_bounds, linear=linear, windows=windows)
         self.cfg = cfg
         self.group = group
         # pooled guidance attention of the running step, written by the attention function (§2.3)
@@ -82,6 +85,16 @@ class HermesCache(DenseCache):
                scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
         """`layer`'s attention over the stack (`hermes.policies.hermes.attention.layer_attention`)."""
         return layer_attention(module, self, layer, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    def attend_shared(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """`DenseCache.attend_shared`, outside a guidance pass: a KV-shared layer scores nothing, and the passes
+        over a model with KV-shared layers end at the last layer that scores, before them (docs/gemma4.md#roles)."""
+        if self.guidance is not None:
+            raise RuntimeError("HermesCache: a guidance pass reached a KV-shared layer; it ends at the last layer "
+                               "that scores")
+        return super().attend_shared(module, layer, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     # ---- compression ------------------------------------------------------------------------------------
     def compress(self, attn: torch.Tensor, backend: str = "auto") -> CompressResult:

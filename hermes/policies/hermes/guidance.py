@@ -139,7 +139,8 @@ def run_guidance(language_model: torch.nn.Module, cache: HermesCache, plan: Guid
         raise ValueError(f"ids: expected {len(plan.kinds)} prompts for each of {cache.batch_size} streams")
     if chunk is not None and not plan.kinds:
         raise ValueError("chunk: a fused prefill needs at least one guidance prompt (plan.kinds is empty)")
-    hybrid = cache.linear_states is not None
+    # linear-attention states or sliding-window rings: a prompt would see the prompts packed before it
+    hybrid = cache.linear_states is not None or cache.windows is not None
     if chunk is not None and hybrid:
         raise ValueError("chunk: a hybrid model's guidance cannot ride in a chunk's prefill (the prompts would pass "
                          "through the linear-attention layers' states); run it on its own (docs/qwen3_5.md#guidance)")

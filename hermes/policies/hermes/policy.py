@@ -34,7 +34,8 @@ class HermesPolicy(StreamPolicy):
         config:         a full `HermesConfig` instead of the family preset (prefix_len and num_layers must match).
         fused_guidance: True: guidance prompts in the chunk's own prefill forward (§4); False: a separate guidance
                         pass after the prefill; None (default): True, except on a hybrid model (Qwen3.5), whose
-                        linear-attention states would take the prompts in (docs/qwen3_5.md#guidance).
+                        linear-attention states would take the prompts in (docs/qwen3_5.md#guidance), and on a model
+                        with sliding-window layers (Gemma 4), whose rings would (docs/gemma4.md#roles).
         overrides:      further preset fields (e.g. margin=..., summary=False).
     """
 
@@ -43,13 +44,15 @@ class HermesPolicy(StreamPolicy):
     def __init__(self, setup: StreamSetup, *, budget: int = 6000, reindex: str = "lazy",
                  config: HermesConfig | None = None, fused_guidance: bool | None = None, **overrides):
         super().__init__(setup)
+        side = setup.linear is not None or setup.windows is not None
         if fused_guidance is None:
-            fused_guidance = setup.linear is None
+            fused_guidance = not side
         if not isinstance(fused_guidance, bool):
             raise TypeError(f"fused_guidance: expected a bool or None, got {fused_guidance!r}")
-        if fused_guidance and setup.linear is not None:
-            raise ValueError("fused_guidance: on a hybrid model the guidance prompts would pass through the "
-                             "linear-attention layers' states; leave it None or False (docs/qwen3_5.md#guidance)")
+        if fused_guidance and side:
+            raise ValueError("fused_guidance: the guidance prompts would pass through the linear-attention layers' "
+                             "states or the sliding-window layers' rings; leave it None or False "
+                             "(docs/qwen3_5.md#guidance, docs/gemma4.md#roles)")
         geometry, P = setup.geometry, setup.prefix_len
         if config is None:
             config = HermesConfig.preset(setup.family.preset_name, geometry.num_layers, budget, P,
@@ -67,7 +70,7 @@ class HermesPolicy(StreamPolicy):
             config, batch_size=setup.batch_size, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
             capacity=config.prefix_len + config.budget + setup.chunk_tokens + setup.room, dtype=setup.dtype,
             inv_freq=setup.inv_freq, rotary=geometry.rotary, layer_devices=setup.layer_devices, group=self.group,
-            linear=setup.linear)
+            linear=setup.linear, windows=setup.windows)
         self.plan = GuidancePlan.from_config(config)
         self._prompt_ids: tuple[tuple, list] | None = None  # (history, its prompts' token ids)
 

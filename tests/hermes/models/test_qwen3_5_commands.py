@@ -80,15 +80,15 @@ def test_an_unhandled_layer_kind_is_refused_before_the_weights(checkpoints, vide
     folder.mkdir()
     with open(os.path.join(checkpoints["qwen3_5"], "config.json")) as f:
         config = json.load(f)
-    config["text_config"]["layer_types"][1] = "sliding_attention"
+    config["text_config"]["layer_types"][1] = "chunked_attention"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Exception, match="sliding_attention"):
+    with pytest.raises(Exception, match="chunked_attention"):
         check_checkpoint(folder)
     done = subprocess.run([sys.executable, "-m", "hermes", "--model", str(folder), "--video", video, *RUN,
                            "--device", "cpu"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "layer_types" in lines[0] and "'sliding_attention'" in lines[0], lines
+    assert len(lines) == 1 and "layer_types" in lines[0] and "'chunked_attention'" in lines[0], lines
 
 
 def test_the_checks_build_the_preset_over_the_full_attention_layers(checkpoints, video, monkeypatch):
