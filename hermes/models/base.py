@@ -31,6 +31,9 @@ class VideoChunk:
     extent:        the largest offset of `rel_positions` over axes and tokens (T - 1 for 1D RoPE), a host int: the
                    chunk's next position is start + extent + 1, known without reading a device tensor.
     extra:         count -> extra keyword arguments of the language model's forward (see `lm_kwargs`), or None.
+    blocks:        int64 [T], or None: the vision block of each token (>= 0; the tokens of one image or frame share
+                   one) or -1 (text), for decoders whose sliding-window layers let a block's tokens attend to each
+                   other both ways (Gemma 4, docs/gemma4.md#masks); None: every token attends causally.
     """
 
     embeds: torch.Tensor
@@ -38,6 +41,7 @@ class VideoChunk:
     frames: int
     extent: int
     extra: Callable[[int], dict] | None = None
+    blocks: torch.Tensor | None = None
 
     def lm_kwargs(self, count: int | None = None) -> dict:
         """Keyword arguments the language model's forward over this chunk needs besides embeddings and positions,
