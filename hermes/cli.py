@@ -424,8 +424,8 @@ def parser() -> argparse.ArgumentParser:
          "processes (tensor parallelism); the first prints, the others stay silent.",
          "Example:\n  hermes --model ./llava-onevision-qwen2-7b-ov-hf --video talk.mp4 \\\n"
          "      --ask-at 1:30:\"Who is speaking?\" --question \"Summarise the video.\""],
-        "local checkpoint folder (config.json, weights, tokenizer, processor configs) of a llava_onevision, "
-        "qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe model")
+        "local checkpoint folder (config.json, weights, tokenizer, processor configs) of a gemma4, llava_onevision, "
+        "llava_onevision1_5, minicpmv4_6, qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe model")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--video", metavar="FILE", help="video file PyAV can decode (mp4, mkv, webm, ...)")
     source.add_argument("--live", metavar="SOURCE",

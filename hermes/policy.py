@@ -132,14 +132,17 @@ class StreamSetup:
         layers = attention_layers(model, family)
         linear = LinearLayout.of(language_model, kinds) if LINEAR in kinds else None
         shared = getattr(model.config.get_text_config(), "num_kv_shared_layers", 0)
-        windows = WindowLayout.of(language_model, kinds, chunk_tokens + room) if SLIDING in kinds or shared else None
+        # the most tokens one forward brings: a chunk, or text within room (guidance never rides in a chunk here)
+        forward_tokens = max(chunk_tokens, room)
+        windows = WindowLayout.of(language_model, kinds, forward_tokens) if SLIDING in kinds or shared else None
         geometry = geometry_of(model, family)
         if shard is not None:
             # the full-attention layers may have their own KV head count (Gemma 4): each must split evenly too
             if geometry.num_kv_heads % shard.count:
                 raise ValueError(f"model: the {geometry.num_kv_heads} KV heads of the full-attention layers do not "
                                  f"split evenly over {shard.count} ranks; tp_size must divide them")
-            shard = dataclasses.replace(shard, num_kv_heads=geometry.num_kv_heads)  # the policy layers' heads
+            if shard.num_kv_heads != geometry.num_kv_heads:  # the policy layers have their own KV heads
+                shard = dataclasses.replace(shard, num_kv_heads=geometry.num_kv_heads)
             geometry = shard.local(geometry)
             if windows is not None:
                 windows = dataclasses.replace(windows, num_kv_heads=windows.num_kv_heads // shard.count)

@@ -28,7 +28,8 @@ def parser():
          "on an error (one line on stderr); 2 for a bad command line.",
          "Example:\n  hermes-profile --model ./llava-onevision-qwen2-7b-ov-hf \\\n"
          "      --videos clips/*.mp4 --max-frames 64 --out llava-ov-7b.h2svc.json"],
-        "local checkpoint folder of a llava_onevision, qwen2_5_vl, qwen3_vl, qwen3_5 or qwen3_5_moe model")
+        "local checkpoint folder of a gemma4, llava_onevision, llava_onevision1_5, minicpmv4_6, qwen2_5_vl, qwen3_vl, "
+        "qwen3_5 or qwen3_5_moe model")
     p.add_argument("--videos", required=True, nargs="+", metavar="FILE",
                    help="sample video files PyAV can decode (each one clip)")
     p.add_argument("--out", required=True, metavar="FILE", help="where to write the head map (JSON)")

@@ -5,8 +5,10 @@ ring of slots per sliding-window layer that computes its own keys). The rules, a
 A sliding-window layer is never compressed: a query sees at most the `window` - 1 tokens before it, so its cache is
 bounded already. Its keys live at stream positions, the token's index in the uncompressed stream (`seen`), which
 compression never re-numbers; the model runs at the default positions, and the incoming queries and keys are turned
-by `seen - length` before they attend. A ring of `W - 1 + forward_tokens` slots holds every token a forward can see
-without moving a row: stream position s lives in slot s mod slots.
+by `seen - length` before they attend. A ring of `W - 1 + forward_tokens` slots (the most tokens one forward brings:
+a chunk, or a question and its answer within the stream's room) holds every token a forward can see, and the window
+before the last chunk's end while a question and its answer follow it, without moving a row: stream position s lives
+in slot s mod slots.
 """
 from __future__ import annotations
 

@@ -12,14 +12,16 @@ import argparse
 import json
 import os
 
-from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_vl
+from scaffolding.models import (tiny_gemma4, tiny_llava_ov, tiny_llava_ov1_5, tiny_minicpmv4_6, tiny_qwen2_5_vl,
+                                tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_vl)
 from scaffolding.processors import tiny_image_processor, tiny_video_processor_config
-from scaffolding.tokenizer import tiny_tokenizer
+from scaffolding.tokenizer import tiny_minicpm_tokenizer, tiny_tokenizer
 
-BUILDERS = {"llava_onevision": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,
-            "qwen3_5": tiny_qwen3_5, "qwen3_5_moe": tiny_qwen3_5_moe}
+BUILDERS = {"llava_onevision": tiny_llava_ov, "llava_onevision1_5": tiny_llava_ov1_5, "qwen2_5_vl": tiny_qwen2_5_vl,
+            "qwen3_vl": tiny_qwen3_vl, "qwen3_5": tiny_qwen3_5, "qwen3_5_moe": tiny_qwen3_5_moe,
+            "minicpmv4_6": tiny_minicpmv4_6, "gemma4": tiny_gemma4}
 # model types whose tiny tokenizer splits digits: their chunks carry text timestamps
-DIGIT_TOKENIZERS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+DIGIT_TOKENIZERS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma4")
 
 
 def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int = 0) -> str:
@@ -35,14 +37,19 @@ def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int =
     if model_type not in BUILDERS:
         raise ValueError(f"model_type: expected one of {sorted(BUILDERS)}, got {model_type!r}")
     BUILDERS[model_type](seed=seed).save_pretrained(folder)
-    tiny_tokenizer(digits=model_type in DIGIT_TOKENIZERS).save_pretrained(folder)
+    tokenizer = tiny_minicpm_tokenizer() if model_type == "minicpmv4_6" else \
+        tiny_tokenizer(digits=model_type in DIGIT_TOKENIZERS, gemma=model_type == "gemma4")
+    tokenizer.save_pretrained(folder)
     tiny_image_processor(model_type).save_pretrained(folder)
     if model_type == "llava_onevision":
         processor = {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 64,
                      "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}
     else:
-        # Qwen3.5's checkpoints name Qwen3-VL's processor (transformers has no Qwen3.5 processor)
-        processor = {"processor_class": "Qwen2_5_VLProcessor" if model_type == "qwen2_5_vl" else "Qwen3VLProcessor"}
+        # Qwen3.5's checkpoints name Qwen3-VL's processor (transformers has no Qwen3.5 processor); LLaVA-OV-1.5's
+        # is the one transformers maps it to, EXAONE 4.5's
+        classes = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "llava_onevision1_5": "Exaone4_5_Processor",
+                   "minicpmv4_6": "MiniCPMV4_6Processor", "gemma4": "Gemma4Processor"}
+        processor = {"processor_class": classes.get(model_type, "Qwen3VLProcessor")}
     for name, content in (("video_preprocessor_config.json", tiny_video_processor_config(model_type)),
                           ("processor_config.json", processor)):
         with open(os.path.join(folder, name), "w") as f:

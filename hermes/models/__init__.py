@@ -9,17 +9,23 @@ from __future__ import annotations
 import torch
 
 from .base import ModelFamily, VideoChunk, check_pixels
+from .gemma4 import Gemma4
 from .llava_ov import LlavaOneVision
+from .llava_ov1_5 import LlavaOneVision1_5
+from .minicpmv4_6 import MiniCPMV4_6
 from .qwen2_5_vl import Qwen2_5_VL
 from .qwen3_5 import Qwen3_5
 from .qwen3_vl import Qwen3_VL
 
 FAMILIES: dict[str, type[ModelFamily]] = {
     "llava_onevision": LlavaOneVision,
+    "llava_onevision1_5": LlavaOneVision1_5,
     "qwen2_5_vl": Qwen2_5_VL,
     "qwen3_vl": Qwen3_VL,
     "qwen3_5": Qwen3_5,
     "qwen3_5_moe": Qwen3_5,
+    "minicpmv4_6": MiniCPMV4_6,
+    "gemma4": Gemma4,
 }
 
 

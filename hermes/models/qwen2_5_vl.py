@@ -111,16 +111,10 @@ class Qwen2_5_VL(ModelFamily):
         frames (one clip per stream) for `processor.video_processor`. seconds_per_grid: seconds covered by one
         temporal grid step (temporal_patch_size / fps)."""
         self.reject_unexpected(kwargs)
-        if not isinstance(video, torch.Tensor) and processor is not None:
-            processed = processor.video_processor(video, return_tensors="pt")
-            video, grid_thw = processed["pixel_values_videos"], processed["video_grid_thw"]
-        video, grid = self._check_patches(model, video, grid_thw, batch_size)
+        video, grid = self._patches(model, processor, video, grid_thw, batch_size)
         if not (isinstance(seconds_per_grid, (int, float)) and seconds_per_grid > 0):
             raise ValueError(f"seconds_per_grid: expected a positive number, got {seconds_per_grid!r}")
-        features = self._video_features(model, video, grid, batch_size)
-        lm = self.language_model(model)
-        embeds = torch.stack(features.pooler_output).to(device=lm.embed_tokens.weight.device,
-                                                        dtype=lm.embed_tokens.weight.dtype)
+        embeds = self._merged_tokens(model, video, grid, batch_size)
         vision = model.config.vision_config
         # in float32, as get_rope_index takes it (the processor hands second_per_grid_ts over as a float32 tensor):
         # a double product can truncate to another integer, e.g. 3 x 25 x (10/3) to 250 where transformers has 249
@@ -174,11 +168,19 @@ class Qwen2_5_VL(ModelFamily):
         # text only: without mm_token_type_ids the model silently drops to 1D positions
         return {"mm_token_type_ids": torch.zeros_like(input_ids, dtype=torch.int32)}
 
+    def _patches(self, model, processor, video, grid_thw, batch_size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """`_check_patches`' (pixel values, grid) of model-ready patches, or of raw frames (one clip per stream) run
+        through `processor.video_processor`."""
+        if not isinstance(video, torch.Tensor) and processor is not None:
+            processed = processor.video_processor(video, return_tensors="pt")
+            video, grid_thw = processed["pixel_values_videos"], processed["video_grid_thw"]
+        return self._check_patches(model, video, grid_thw, batch_size)
+
     def _check_patches(self, model, video, grid_thw, batch_size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """(pixel values [B * t * h * w, C * T * p * p], the grid (t, h, w) every stream shares), else the error
-        naming video or grid_thw."""
+        """(pixel values [B * t * h * w, C * T * p * p], T = `step_frames`, the grid (t, h, w) every stream shares),
+        else the error naming video or grid_thw."""
         vision = model.config.vision_config
-        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        patch_dim = vision.in_channels * self.step_frames(model) * vision.patch_size ** 2
         video = check_pixels("video", video, f"[B * t * h * w, {patch_dim}] with grid_thw")
         grid = self._check_grid(grid_thw, batch_size, vision.spatial_merge_size)
         per_stream = grid[0] * grid[1] * grid[2]
@@ -202,6 +204,13 @@ class Qwen2_5_VL(ModelFamily):
             raise ValueError(f"grid_thw: expected t >= 1 and h, w positive multiples of spatial_merge_size={merge}, "
                              f"got {[t, h, w]}")
         return t, h, w
+
+    def _merged_tokens(self, model, video: torch.Tensor, grid: tuple[int, int, int], batch_size: int) -> torch.Tensor:
+        """[B, t * h' * w', hidden]: the tower's merged tokens of each stream, in the language model's dtype and on
+        its device."""
+        weight = self.language_model(model).embed_tokens.weight
+        features = self._video_features(model, video, grid, batch_size)
+        return torch.stack(features.pooler_output).to(device=weight.device, dtype=weight.dtype)
 
     @staticmethod
     def _video_features(model, video: torch.Tensor, grid: tuple[int, int, int], batch_size: int):

@@ -13,9 +13,10 @@ from typing import Callable
 import pytest
 import torch
 
-from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_vl
+from scaffolding.models import (tiny_gemma4, tiny_llava_ov, tiny_llava_ov1_5, tiny_minicpmv4_6, tiny_qwen2_5_vl,
+                                tiny_qwen3_5, tiny_qwen3_vl)
 from scaffolding.pixels import llava_pixels, qwen_pixels
-from scaffolding.tokenizer import tiny_tokenizer
+from scaffolding.tokenizer import tiny_minicpm_tokenizer, tiny_tokenizer
 import hermes.attention
 from hermes.attention import attention_implementation
 from hermes.models import family_of
@@ -39,6 +40,7 @@ class Case:
     stream_kwargs: extra HermesStream arguments (frame_size for Qwen2.5-VL).
     bad_chunks: (batch, generator) -> {name: append_video kwargs that must be rejected}.
     linear:     the decoder has linear-attention layers (Qwen3.5): ragged question batches are refused.
+    windows:    the decoder has sliding-window layers (Gemma 4): ragged question batches are refused.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Case:
     mrope: bool
     tokenizer: Callable = tiny_tokenizer  # () -> the tiny model's tokenizer
     linear: bool = False
+    windows: bool = False
 
 
 LLAVA_FRAMES = 2
@@ -160,6 +163,99 @@ QWEN3_5 = Case(name="qwen3_5", build=tiny_qwen3_5, frames=QWEN_FRAMES, chunk=_qw
                tokenizer=lambda: tiny_tokenizer(digits=True), linear=True)
 
 
+def _llava_ov1_5_chunk(batch, g, frames=LLAVA_FRAMES):
+    video, grid = qwen_pixels(batch, frames, g, temporal_patch_size=1)
+    return {"video": video, "grid_thw": grid}
+
+
+def _llava_ov1_5_bad_chunks(batch, g):
+    video, grid = qwen_pixels(batch, LLAVA_FRAMES, g, temporal_patch_size=1)
+    return {
+        "missing grid": {"video": video},
+        "grid does not match rows": {"video": video, "grid_thw": torch.tensor([2, 4, 4])},
+        "streams with different grids": {"video": video, "grid_thw": torch.tensor([[2, 8, 8], [1, 16, 8]])},
+        "rows of two frames (Qwen2.5-VL's)": dict(zip(("video", "grid_thw"), qwen_pixels(batch, 2 * LLAVA_FRAMES, g))),
+        "non-finite": {"video": video.clone().fill_(float("nan")), "grid_thw": grid},
+        "Qwen2.5-VL's timing": {"video": video, "grid_thw": grid, "seconds_per_grid": 1.0},
+    }
+
+
+# LLaVA-OneVision-1.5 (Qwen2-VL's patch rows at one frame per row, Qwen3 decoder, 1D RoPE): chunks of 2 frames of
+# 16 x 16 (4 x 4 merged tokens each); the shared stream checks run under it (tests/hermes/stream/policies.py FAMILIES);
+# its references (the model's own forward of a whole video) are in tests/hermes/models/test_llava_ov1_5.py
+LLAVA_OV1_5 = Case(name="llava_ov1_5", build=tiny_llava_ov1_5, frames=LLAVA_FRAMES, chunk=_llava_ov1_5_chunk,
+                   encode=None, stream_kwargs={"frame_size": (16, 16)}, bad_chunks=_llava_ov1_5_bad_chunks, mrope=False)
+
+
+MINICPM_FRAME = (24, 32)  # 12 x 16 patches, 3 x 4 tokens: a frame is 14 tokens with <image> and </image>, a chunk 28
+
+
+def _minicpm_chunk(batch, g, frames=LLAVA_FRAMES):
+    """Pixel values [B, 3, 2, F * 12 * 16 * 2] (one row per stream, packed as MiniCPMV4_6VideoProcessor packs a clip)
+    and target_sizes [F, 2] of `frames` 24 x 32 frames."""
+    h, w = MINICPM_FRAME[0] // 2, MINICPM_FRAME[1] // 2
+    return {"video": torch.randn(batch, 3, 2, frames * h * w * 2, generator=g),
+            "target_sizes": torch.tensor([[h, w]] * frames)}
+
+
+def _minicpm_bad_chunks(batch, g):
+    good = _minicpm_chunk(batch, g)
+    video, sizes = good["video"], good["target_sizes"]
+    return {
+        "missing target_sizes": {"video": video},
+        "sizes that do not match the pixels": {"video": video, "target_sizes": torch.tensor([[12, 8], [12, 8]])},
+        "frames of two sizes": {"video": video, "target_sizes": torch.tensor([[12, 16], [16, 12]])},
+        "a side the mergers cannot fold": {"video": video[..., :2 * 6 * 16 * 2],
+                                           "target_sizes": torch.tensor([[6, 16], [6, 16]])},
+        "float target_sizes": {"video": video, "target_sizes": sizes.float()},
+        "one stream short": {"video": video[:-1], "target_sizes": sizes},
+        "non-finite": {"video": video.clone().fill_(float("inf")), "target_sizes": sizes},
+        "Qwen's grid": {"video": video, "target_sizes": sizes, "grid_thw": torch.tensor([2, 12, 16])},
+    }
+
+
+# MiniCPM-V 4.6 (Qwen3.5's hybrid decoder with 1D positions, frames between <image> markers): chunks of 2 frames of
+# 24 x 32; the shared stream checks run under it (tests/hermes/stream/policies.py FAMILIES); its references (the
+# model's own processing and forward of a whole video) are in tests/hermes/models/test_minicpmv4_6.py
+MINICPM = Case(name="minicpmv4_6", build=tiny_minicpmv4_6, frames=LLAVA_FRAMES, chunk=_minicpm_chunk, encode=None,
+               stream_kwargs={"frame_size": MINICPM_FRAME}, bad_chunks=_minicpm_bad_chunks, mrope=False,
+               tokenizer=tiny_minicpm_tokenizer, linear=True)
+
+
+GEMMA4_GRID = (4, 4)  # patch columns x rows of an 8 x 8 frame (patch 2): 4 soft tokens, 11 tokens with " mm:ss " and markers
+
+
+def _gemma4_chunk(batch, g, frames=LLAVA_FRAMES):
+    """Patches [B·F, 16, 12] of `frames` 8 x 8 frames per stream with their (column, row) positions, and the frames'
+    seconds (99 s and on: one minute digit changes inside the chunk, the token count does not)."""
+    cols, rows = GEMMA4_GRID
+    grid = torch.stack([torch.arange(cols).repeat(rows), torch.arange(rows).repeat_interleave(cols)], dim=-1)
+    return {"video": torch.randn(batch * frames, cols * rows, 12, generator=g),
+            "video_position_ids": grid.expand(batch * frames, -1, -1).clone(),
+            "timestamps": [99.0 + frame for frame in range(frames)]}
+
+
+def _gemma4_bad_chunks(batch, g):
+    good = _gemma4_chunk(batch, g)
+    video, grid, stamps = good["video"], good["video_position_ids"], good["timestamps"]
+    return {
+        "missing positions": {"video": video, "timestamps": stamps},
+        "positions off the grid": {"video": video, "video_position_ids": grid + 1, "timestamps": stamps},
+        "wrong patch width": {"video": video[..., :8], "video_position_ids": grid, "timestamps": stamps},
+        "non-finite": {"video": video.clone().fill_(float("nan")), "video_position_ids": grid, "timestamps": stamps},
+        "missing timestamps": {"video": video, "video_position_ids": grid},
+        "timestamp past 100 minutes": {"video": video, "video_position_ids": grid, "timestamps": [0.0, 6000.0]},
+        "Qwen's grid": {"video": video, "video_position_ids": grid, "timestamps": stamps, "grid_thw": grid},
+    }
+
+
+# Gemma 4 (sliding-window and KV-shared layers, 512-wide full heads scaled down, text timestamps); its references
+# (transformers' own forward of the whole video) are in tests/hermes/models/test_gemma4_stream.py
+GEMMA4 = Case(name="gemma4", build=tiny_gemma4, frames=LLAVA_FRAMES, chunk=_gemma4_chunk, encode=None,
+              stream_kwargs={"frame_size": (8, 8)}, bad_chunks=_gemma4_bad_chunks, mrope=False,
+              tokenizer=lambda: tiny_tokenizer(digits=True, gemma=True), windows=True)
+
+
 def make_stream(case: Case, model, **kwargs) -> HermesStream:
     """A stream whose free slots (everything past the prefilled prefix) are poisoned: NaN keys/values and
     guidance scores, sentinel positions, so a read of a slot nobody wrote shows up in every check."""
@@ -173,6 +269,9 @@ def make_stream(case: Case, model, **kwargs) -> HermesStream:
             poison_(buffer[..., length:, :])
         poison_(stack.positions[..., length:])
     poison_(stream.cache.guidance_attn)
+    windows = stream.cache.windows
+    for ring in () if windows is None else (*windows.keys, *windows.values):
+        poison_(ring[:, :, length:])  # slots of the positions past the prefix
     return stream
 
 

@@ -26,6 +26,7 @@ from transformers.utils import is_torchvision_available
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 import hermes.models.processing
+from hermes.models import FAMILIES
 from scaffolding.checkpoint import save_tiny_checkpoint
 from scaffolding.processors import TINY_QWEN_PIXELS
 from hermes import cli
@@ -424,8 +425,10 @@ def test_help_is_as_written(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     assert exit_info.value.code == 0
+    text = capsys.readouterr().out
     with open(os.path.join(REPO, "tests", "hermes", "help", "hermes.txt")) as f:
-        assert capsys.readouterr().out == f.read()
+        assert text == f.read()
+    assert all(model_type in text for model_type in FAMILIES), "--model's help names every supported model type"
 
 
 @pytest.fixture(scope="module")

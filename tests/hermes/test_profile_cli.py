@@ -10,6 +10,7 @@ import torch
 
 from hermes import profile_cli
 from hermes.commands import load_model
+from hermes.models import FAMILIES
 from hermes.policies.h2svc.head_map import HeadProfile, load_head_map
 from hermes.policies.h2svc.profile import DEFAULT_QUESTIONS, profile_heads
 from hermes.video import VideoClip
@@ -124,7 +125,9 @@ def test_help_is_as_written(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         profile_cli.main(["--help"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out == (HELP / "hermes-profile.txt").read_text()
+    text = capsys.readouterr().out
+    assert text == (HELP / "hermes-profile.txt").read_text()
+    assert all(model_type in text for model_type in FAMILIES), "--model's help names every supported model type"
     assert isinstance(profile_cli.parser(), argparse.ArgumentParser)
 
 

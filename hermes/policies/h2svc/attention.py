@@ -61,23 +61,28 @@ def class_attention(module: torch.nn.Module, cache, layer: int, query: torch.Ten
                     scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of `layer` over the class blocks of an `H2SVCCache` (docs/h2svc.md §5).
 
-    query: [B, H, T, D] at the default positions the model ran with (rotated here to the true ones). The keys
+    query: [B, H, T, D] at the default positions the model ran with (rotated here to the true ones), the last T of
+    the forward's tokens (all of them, but for a KV-shared layer when transformers keeps one logit). The keys
     and values of the incoming tokens are already in the blocks (`H2SVCCache.write`). Returns (output
     [B, T, H, D], None), as transformers' attention functions do.
     """
-    delta = cache.incoming_delta(layer).unsqueeze(1)  # [B, 1, T] or [B, 1, 3, T]: the same for every head
+    # [B, 1, T] or [B, 1, 3, T]: the same for every head; a KV-shared layer may run the forward's last rows only
+    delta = cache.incoming_delta(layer)[..., -query.shape[2]:].unsqueeze(1)
     query = apply_rotary_delta(query, delta, cache.layer_inv_freq(layer), cache.rotary)
     B, H, T, D = query.shape
+    fwd = cache.current_forward
     parts = cache.layer_parts(layer)
     out = None if len(parts) == 1 else query.new_empty(B, T, H, D)
     for part in parts:
         block = part.block
-        total = cache.current_forward.starts[part.cls] + T
+        total = fwd.starts[part.cls] + fwd.count
         keys = block.keys[part.rows, :, :total].transpose(0, 1)      # [B, n, N_c, D]
         values = block.values[part.rows, :, :total].transpose(0, 1)
         q = query if len(parts) == 1 else query[:, part.query_heads]
-        mask = _class_mask(cache, part, T, total, query.device)
-        if mask is None and not flash_usable(q) and 1 < T < total:
+        mask = _class_mask(cache, part, fwd.count, total, query.device)
+        if mask is not None:
+            mask = mask[..., fwd.count - T:, :]  # the rows of the queries that run
+        elif not flash_usable(q) and 1 < T < total:
             mask = cache.forward_mask(("causal", T, total), query.device, lambda: causal_mask(T, total, query.device))
         output, _ = model_attention(module, q, keys, values, mask, dropout, scaling, **kwargs)  # [B, T, n·g, D]
         if out is None:

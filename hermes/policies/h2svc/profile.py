@@ -148,7 +148,8 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
     embed = model.get_input_embeddings()
     device = embed.weight.device
     cache = DynamicCache(config=model.config)  # a hybrid model's linear-attention layers get their states
-    positions = _Positions(mrope=family.rotary(model)[1] is not None)
+    layout = family.rotary(model)[1]
+    positions = _Positions(mrope=layout is not None and layout.num_axes == 3)  # a 1D layout may be partial
 
     def forward(embeds: torch.Tensor, rel: torch.Tensor | None = None, **extra) -> torch.Tensor:
         ids = positions.take(embeds.shape[1], rel, embeds.device)

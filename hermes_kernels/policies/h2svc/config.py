@@ -139,7 +139,8 @@ class H2SVCConfig:
     max_positions: int = 32768
     margin: int = 1024
 
-    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "llava_ov1_5", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
+                                          "minicpmv4_6", "gemma4")
 
     head_classes: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
     profiled: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -255,6 +256,15 @@ class H2SVCConfig:
                    max_positions=max_positions, **params)
 
     @classmethod
+    def llava_ov1_5(cls, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int = 196,
+                    head_map=None, max_positions: int = 32768, **overrides) -> "H2SVCConfig":
+        """LLaVA-OneVision-1.5: one frame is one video frame (its tower has no temporal patch) of h'·w' merged
+        tokens, 196 for 392² px input (28² patches of 14 px merged 2×2); 1D positions; the policies pass the
+        checkpoint's max_position_embeddings; the paper's windows and ratios."""
+        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, prefix_len=prefix_len,
+                   tokens_per_frame=tokens_per_frame, head_map=head_map, max_positions=max_positions, **overrides)
+
+    @classmethod
     def qwen2_5_vl(cls, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int = 196,
                    head_map=None, max_positions: int = 128000, **overrides) -> "H2SVCConfig":
         """Qwen2.5-VL: one "frame" is one temporal grid step of the video (two sampled frames merged by the
@@ -282,3 +292,25 @@ class H2SVCConfig:
         5.24's default Qwen3.5 config (8 full-attention layers of 4 KV heads there)."""
         return cls.qwen2_5_vl(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
                               head_map=head_map, max_positions=max_positions, **overrides)
+
+    @classmethod
+    def minicpmv4_6(cls, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int = 66,
+                    head_map=None, max_positions: int = 32768, **overrides) -> "H2SVCConfig":
+        """MiniCPM-V 4.6 (docs/families.md#minicpm-v-4-6): `qwen3_5`'s routing over the FULL-ATTENTION layers only
+        (`head_map` [L_full, Hkv]); one frame is one video frame: <image>, 8 x 8 tokens for 448² px at patch 14
+        (the two mergers fold 4 x 4 patches into one), </image> = 66 tokens; 1D positions; the 32768 positions of
+        transformers 5.25's default MiniCPMV4_6Config."""
+        return cls.qwen3_5(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
+                           head_map=head_map, max_positions=max_positions, **overrides)
+
+    @classmethod
+    def gemma4(cls, num_layers: int, num_kv_heads: int, prefix_len: int, tokens_per_frame: int = 75,
+               head_map=None, max_positions: int = 131072, **overrides) -> "H2SVCConfig":
+        """Gemma 4 (docs/gemma4.md): `qwen3_5`'s routing over the layers the policies see only, the FULL-ATTENTION
+        layers that keep keys and values of their own (`head_map` [L_full, Hkv] over their KV heads; any L_full >= 1);
+        one frame is one video frame: " mm:ss " (7 tokens with a tokenizer that splits digits and keeps spaces, as
+        Gemma's does), <|image>, 66 soft tokens for a 16:9 frame at the video processor's default 70 at most,
+        <image|> = 75; 1D positions; the 131072 positions of transformers 5.25's default Gemma 4 text config; the
+        paper's windows and ratios."""
+        return cls.qwen3_5(num_layers, num_kv_heads, prefix_len, tokens_per_frame=tokens_per_frame,
+                           head_map=head_map, max_positions=max_positions, **overrides)

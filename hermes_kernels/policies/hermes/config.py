@@ -59,7 +59,8 @@ class HermesConfig:
     margin: int = 1024
     eps: float = 1e-6
 
-    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "paper")
+    PRESETS: ClassVar[tuple[str, ...]] = ("llava_ov", "llava_ov1_5", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
+                                          "minicpmv4_6", "gemma4", "paper")
 
     role: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
     omega: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
@@ -178,6 +179,15 @@ class HermesConfig:
                    **params)
 
     @classmethod
+    def llava_ov1_5(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 32768,
+                    **overrides) -> "HermesConfig":
+        """LLaVA-OneVision-1.5 (docs/families.md#llava-onevision-1-5): neither the released code nor the paper has
+        constants for it, so this is `llava_ov` (ours): the released path of the other 1D-RoPE family, whose chunks
+        are likewise visual tokens alone. The policies pass the checkpoint's max_position_embeddings.
+        """
+        return cls.llava_ov(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
+
+    @classmethod
     def qwen2_5_vl(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 128000,
                    **overrides) -> "HermesConfig":
         """Qwen2.5-VL, following the released `qwenvl_hermes.py` (docs/hermes.md §5):
@@ -211,6 +221,29 @@ class HermesConfig:
         transformers 5.24's default Qwen3.5 config. The split is by fraction of the full-attention depth: the
         default config's 8 full layers (of 32) give no shallow layer, 0-4 mid and 5-7 deep, counted in depth order
         over the full-attention layers. Positions are 3D M-RoPE, interleaved over the rotary part of each head.
+        """
+        return cls.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
+
+    @classmethod
+    def minicpmv4_6(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 32768,
+                    **overrides) -> "HermesConfig":
+        """MiniCPM-V 4.6 (docs/families.md#minicpm-v-4-6): Qwen3.5's hybrid decoder, so `qwen3_5`'s constants over
+        the FULL-ATTENTION layers only, with the 32768 positions of transformers 5.25's default MiniCPMV4_6Config.
+        Positions are 1D (the model passes the token index on every M-RoPE axis), over the rotary part of each head.
+        """
+        return cls.qwen3_5(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
+
+    @classmethod
+    def gemma4(cls, num_layers: int, budget: int, prefix_len: int, max_positions: int = 131072,
+               **overrides) -> "HermesConfig":
+        """Gemma 4 (docs/gemma4.md): `num_layers` counts the layers the policies compress, the FULL-ATTENTION layers
+        that keep keys and values of their own (5 of the 30 of transformers 5.25's default Gemma 4 text config); the
+        sliding-window layers keep a window and the KV-shared layers read another layer's, neither has a role.
+        Neither the released code nor the paper has constants for it, so this is `qwen2_5_vl`'s (the paper's eq. 3
+        ω, k from 20 to 8, as for `qwen3_vl`, whose chunks likewise carry a text timestamp per frame) at that
+        config's 131072 positions; positions are 1D. The split is by fraction of those layers, so every count >= 1
+        has roles: 1 layer is deep, 2 are mid and deep, the default 5 are 0-2 mid and 3-4 deep (a shallow layer from
+        10 layers on).
         """
         return cls.qwen2_5_vl(num_layers, budget, prefix_len, max_positions=max_positions, **overrides)
 

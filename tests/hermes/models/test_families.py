@@ -100,8 +100,13 @@ CHAT = {  # (prefix, question) with system prompt "S" and question "Q"
     "llava_ov": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n", "\nQ<|im_end|>\n<|im_start|>assistant\n"),
     "qwen2_5_vl": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<|vision_start|>",
                    "<|vision_end|>Q<|im_end|>\n<|im_start|>assistant\n"),
+    "llava_ov1_5": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<|vision_start|>",  # Qwen2-VL's template
+                    "<|vision_end|>Q<|im_end|>\n<|im_start|>assistant\n"),
     "qwen3_vl": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n", "Q<|im_end|>\n<|im_start|>assistant\n"),
     "qwen3_5": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n", "Q<|im_end|>\n<|im_start|>assistant\n"),
+    "minicpmv4_6": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<image_id>0</image_id>",  # the video's id
+                    "Q<|im_end|>\n<|im_start|>assistant\n"),
+    "gemma4": ("<bos><|turn>system\nS<turn|>\n<|turn>user\n", "Q<turn|>\n<|turn>model\n"),  # Gemma 4's turns
 }
 
 

@@ -45,7 +45,8 @@ class FifoCache(DenseCache):
         super().__init__(g.num_layers, batch_size=setup.batch_size, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                          capacity=cfg.prefix_len + cfg.frames * cfg.tokens_per_frame + setup.chunk_tokens + setup.room,
                          dtype=setup.dtype, inv_freq=setup.inv_freq, rotary=g.rotary,
-                         layer_devices=setup.layer_devices, counters=FifoCounters(), linear=setup.linear)
+                         layer_devices=setup.layer_devices, counters=FifoCounters(), linear=setup.linear,
+                         windows=setup.windows)
         self.cfg = cfg
 
     def evict(self, arrived: int) -> FifoStep:

@@ -24,13 +24,16 @@ from hermes_kernels.policies.hermes import compaction
 from tests.hermes.policies.h2svc.checks import h2svc_step_fails, h2svc_stream
 from tests.hermes.policies.h2svc.checks import snapshot as h2svc_snapshot
 from tests.hermes.stream import fifo_policy
-from tests.hermes.streams import CASES, QUESTION, QWEN3_5, QWEN3_VL, make_stream
+from tests.hermes.streams import CASES, GEMMA4, LLAVA_OV1_5, MINICPM, QUESTION, QWEN3_5, QWEN3_VL, make_stream
 from tests.utils import TOL, assert_close_verbose, poison_, same_bytes
 
 ERRORS = {"oom": torch.OutOfMemoryError, "interrupt": KeyboardInterrupt}
 # the model families of the shared checks: the per-policy tests' CASES, Qwen3-VL (DeepStack, timestamps) and Qwen3.5
-# (hybrid: linear-attention layers whose states the caches carry, partial rotary)
-FAMILIES = {**CASES, QWEN3_VL.name: QWEN3_VL, QWEN3_5.name: QWEN3_5}
+# (hybrid: linear-attention layers whose states the caches carry, partial rotary) and LLaVA-OneVision-1.5 (Qwen's patch
+# rows, 1D RoPE) and MiniCPM-V 4.6 (Qwen3.5's hybrid decoder at 1D positions, <image> markers around every frame) and
+# Gemma 4 (sliding-window and KV-shared layers beside the full-attention ones)
+FAMILIES = {**CASES, QWEN3_VL.name: QWEN3_VL, QWEN3_5.name: QWEN3_5, LLAVA_OV1_5.name: LLAVA_OV1_5,
+            MINICPM.name: MINICPM, GEMMA4.name: GEMMA4}
 H2SVC_WINDOWS = dict(instant_frames=1, short_frames=2, episodic_frames=3)  # every chunk after the second evicts
 
 
@@ -303,12 +306,21 @@ def warmed_pair(policy: PolicyCase, case, model, g, batch: int = 1, **kwargs) ->
     return streams
 
 
+def stacked(pair: list[dict]) -> dict:
+    """The append_video arguments of two streams' clips in lockstep: the first's, with the two streams' pixel values
+    (and Gemma 4's patch positions) one after the other."""
+    merged = dict(pair[0], video=torch.cat([pair[0]["video"], pair[1]["video"]]))
+    if "video_position_ids" in merged:
+        merged["video_position_ids"] = torch.cat([pair[0]["video_position_ids"], pair[1]["video_position_ids"]])
+    return merged
+
+
 def lockstep_and_alone(policy: PolicyCase, case, model, clips: list) -> tuple:
     """A two-stream batch and two single streams of `policy` fed the same clips (one pair per chunk)."""
     batch = policy.stream(case, model, batch_size=2)
     alone = [policy.stream(case, model) for _ in range(2)]
     for pair in clips:
-        batch.append_video(**dict(pair[0], video=torch.cat([pair[0]["video"], pair[1]["video"]])))
+        batch.append_video(**stacked(pair))
         for b, stream in enumerate(alone):
             stream.append_video(**pair[b])
     return batch, alone

@@ -19,7 +19,7 @@ def test_bad_input_raises_and_leaves_every_buffer_unchanged(case, policy):
         stream.append_video(**case.chunk(2, g))
     buffers, state = policy.buffers(stream), policy.state(stream)
     for name, kwargs in case.bad_chunks(2, g).items():
-        with pytest.raises((ValueError, TypeError), match="video|grid_thw|seconds_per_grid|timestamps"):
+        with pytest.raises((ValueError, TypeError), match="video|grid_thw|seconds_per_grid|timestamps|target_sizes"):
             stream.append_video(**kwargs)
     with pytest.raises(ValueError, match="chunk_tokens"):  # one frame more than the cache was sized for
         stream.append_video(**frames_chunk(case, 2, g, 3))

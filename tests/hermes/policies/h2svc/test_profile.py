@@ -106,7 +106,8 @@ def reference_tads(model, processor, chunks, fps, questions, answer_tokens):
     family = family_of(model)
     tok = processor.tokenizer
     embed = model.get_input_embeddings()
-    mrope = family.rotary(model)[1] is not None
+    layout = family.rotary(model)[1]
+    mrope = layout is not None and layout.num_axes == 3
     Hkv = model.config.get_text_config().num_key_value_heads
     prefix = tok(family.prefix_text(None), add_special_tokens=False)["input_ids"]
     encoded = encoded_chunks(model, processor, chunks, fps)
