@@ -127,6 +127,12 @@ class Gemma4(ModelFamily):
     <|channel>thought\\n<channel|>, after it, which this text leaves out."""
     name = "Gemma 4"
     preset_name = "gemma4"
+    # transformers 5.25's plan splits the embedding by vocabulary rows ("embedding_rowwise"), and Gemma4Model.forward
+    # then reads the pad token's row of that weight and mixes it with plain tensors, which fails for any forward from
+    # token ids; the embedding and the tied LM head stay whole on every rank, the heads split as transformers plans
+    # (docs/multi-gpu.md#families)
+    tp_plan = {"model.language_model.embed_tokens": "replicated_with_grad_allreduce",
+               "lm_head": "replicated_with_grad_allreduce"}
     system_prompt = "You are a helpful assistant."
     pil_processor = Gemma4PilVideoProcessor
 

@@ -21,11 +21,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 import hermes_kernels as hk
 from hermes.commands import load_model
+from hermes.models.gemma4 import Gemma4
 from hermes.models.qwen3_vl import Qwen3_VL
 from hermes.stream import HermesStream
-from scaffolding.models import tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_vl
+from scaffolding.models import tiny_gemma4, tiny_llava_ov, tiny_qwen2_5_vl, tiny_qwen3_5, tiny_qwen3_vl
 from scaffolding.tokenizer import tiny_tokenizer
-from tests.hermes.streams import CASES, QUESTION, QWEN3_5, QWEN3_VL
+from tests.hermes.streams import CASES, GEMMA4, QUESTION, QWEN3_5, QWEN3_VL
 from tests.ranks import run_ranks
 
 CHUNKS = 5
@@ -44,7 +45,8 @@ TOL = dict(atol=1e-4, rtol=1e-4)  # float32 after the row-parallel all-reduces' 
 def checkpoints(tmp_path_factory) -> dict:
     """name -> folder of a tiny model saved with save_pretrained (weights and config; the tokenizer is built)."""
     builders = {"llava_ov": tiny_llava_ov, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl,
-                "qwen3_5": tiny_qwen3_5, "llava_ov_kv4": lambda: tiny_llava_ov(num_heads=8, num_kv_heads=4)}
+                "qwen3_5": tiny_qwen3_5, "gemma4": tiny_gemma4,
+                "llava_ov_kv4": lambda: tiny_llava_ov(num_heads=8, num_kv_heads=4)}
     folders = {}
     for name, build in builders.items():
         folders[name] = str(tmp_path_factory.mktemp(name))
@@ -126,10 +128,13 @@ def _two_ranks(rank: int, world: int, checkpoints: dict) -> None:
         head_map = SPLIT_MAP if family == "llava_ov" else None  # None: the default map of the whole model
         for kwargs in (lazy, dict(HERMES, reindex="eager"), dict(H2SVC, head_map=head_map, reindex="eager")):
             _compare(rank, world, models, case, kwargs)
-    for case in (QWEN3_VL, QWEN3_5):
+    for case in (QWEN3_VL, QWEN3_5, GEMMA4):
         models = _load(checkpoints[case.name], None), _load(checkpoints[case.name], world)
         if case is QWEN3_VL:
             _sharded_by_plan(models[1], Qwen3_VL.tp_plan)
+        if case is GEMMA4:  # our rules: the embedding and LM head whole, the heads split as transformers plans
+            _sharded_by_plan(models[1], {**Gemma4.tp_plan, "model.language_model.layers.*.self_attn.q_proj": "colwise",
+                                         "model.language_model.layers.*.self_attn.o_proj": "rowwise"})
         lazy = dict(HERMES, margin=models[0].config.get_text_config().max_position_embeddings - 60)
         for kwargs in (lazy, dict(H2SVC, reindex="eager")):
             _compare(rank, world, models, case, kwargs)
@@ -204,6 +209,14 @@ def _same_cache(one: HermesStream, mine: HermesStream, rank: int, world: int, wh
         torch.testing.assert_close(linear[name], view, **TOL, msg=f"{what}: {name}")
     share = one.cache.num_kv_heads // world
     heads = slice(rank * share, (rank + 1) * share)
+    if one.cache.windows is not None:  # sliding windows: this rank's share of the sliding layers' KV heads
+        sliding = one.cache.windows.layout.num_kv_heads // world
+        rows, held = slice(rank * sliding, (rank + 1) * sliding), mine.cache.contents()
+        for name, view in one.cache.contents().items():
+            if name.startswith("sliding") and name.endswith("positions"):
+                assert torch.equal(held[name], view), f"{what}: {name}"
+            elif name.startswith("sliding"):
+                torch.testing.assert_close(held[name], view[:, rows], **TOL, msg=f"{what}: {name}")
     if hasattr(one.cache, "layer_positions"):  # HERMES: every layer holds one sequence
         for layer in range(one.cfg.num_layers):
             assert torch.equal(mine.cache.layer_positions(layer), one.cache.layer_positions(layer)), \
