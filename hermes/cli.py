@@ -204,8 +204,8 @@ def _check_model(check: RunCheck, model: str | os.PathLike | LoadedModel, device
 def _check_cache(check: RunCheck, policy: str, budget: int, chunk_frames: int,
                  head_map: str | os.PathLike | None) -> None:
     """HERMES: the budget against the model's positions; H2SVC: the head map against the model."""
-    from hermes.linear_state import FULL, layer_kinds
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
+    from hermes.window import cache_layers
     from hermes_kernels import HermesConfig
 
     text = check.config.get_text_config()
@@ -213,7 +213,7 @@ def _check_cache(check: RunCheck, policy: str, budget: int, chunk_frames: int,
         tokenizer = getattr(check.processor, "tokenizer", check.processor)
         prefix_len = len(tokenizer(check.family.prefix_text(None), add_special_tokens=False)["input_ids"])
         try:
-            HermesConfig.preset(check.family.preset_name, layer_kinds(check.config).count(FULL), budget, prefix_len,
+            HermesConfig.preset(check.family.preset_name, len(cache_layers(check.config)), budget, prefix_len,
                                 max_positions=text.max_position_embeddings)
         except ValueError as err:
             raise UsageError(f"cannot build the stream with budget={budget}, chunk_frames={chunk_frames}: "

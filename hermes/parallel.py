@@ -73,14 +73,15 @@ def head_shard(model: torch.nn.Module, family, language_model: torch.nn.Module) 
     # query heads from o_proj's columns (row-parallel): q_proj may carry more than the queries (Qwen3.5's gate)
     local = {"query": attention.o_proj.weight.to_local().shape[1] // attention.head_dim,
              "KV": weight.to_local().shape[0] // attention.head_dim}
-    whole = {"query": text.num_attention_heads, "KV": text.num_key_value_heads}
+    # the module's own KV heads (a model's layers may differ: Gemma 4's full layers have their own count)
+    whole = {"query": text.num_attention_heads, "KV": text.num_attention_heads // attention.num_key_value_groups}
     uneven = [kind for kind in local if local[kind] * count != whole[kind]]
     if uneven:
         raise ValueError(f"model: {' and '.join(f'{whole[k]} {k} heads' for k in uneven)} do not split evenly over "
                          f"{count} ranks (this rank holds {', '.join(f'{local[k]} {k}' for k in uneven)}); tp_size "
                          f"must divide the KV heads")
     return HeadShard(group=mesh.get_group(), index=mesh.get_local_rank(), count=count,
-                     num_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads)
+                     num_heads=text.num_attention_heads, num_kv_heads=whole["KV"])
 
 
 def whole_heads_remedy(family, tp_size: int | str) -> str:

@@ -20,7 +20,7 @@ from hermes.parallel import HeadShard, head_shard
 from hermes.registry import get_policy, policy_names, register_policy  # noqa: F401
 from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.engine.dispatch import check_backend
-from hermes.window import WindowLayout, kv_sources
+from hermes.window import WindowLayout, cache_layers
 from hermes_kernels.engine.geometry import ModelGeometry
 
 if TYPE_CHECKING:
@@ -33,11 +33,8 @@ def attention_layers(model: torch.nn.Module, family: ModelFamily | None = None) 
     their own keys (every layer of most models; not a hybrid model's linear-attention layers, nor Gemma 4's
     sliding-window and KV-shared layers). ValueError naming `layer_types` for a kind the caches do not hold."""
     family = family or family_of(model)
-    kinds = layer_kinds(model.config)
-    text = model.config.get_text_config()
-    sources = kv_sources(kinds, getattr(text, "num_kv_shared_layers", 0) or 0)
     layers = family.language_model(model).layers
-    return [layers[i] for i, kind in enumerate(kinds) if kind == FULL and sources[i] == i]
+    return [layers[i] for i in cache_layers(model.config)]
 
 
 def geometry_of(model: torch.nn.Module, family: ModelFamily | None = None) -> ModelGeometry:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from hermes.linear_state import SLIDING
+from hermes.linear_state import FULL, SLIDING, layer_kinds
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 
 
@@ -37,6 +37,26 @@ def kv_sources(kinds: Sequence[str], shared: int) -> tuple[int, ...]:
                              f"layer of its kind, and there is none before layer {first}")
         sources[layer] = own[-1]
     return tuple(sources)
+
+
+def cache_layers(config) -> tuple[int, ...]:
+    """Decoder indices of the layers whose keys the policy caches hold, read from a model config alone: the
+    full-attention layers that compute their own keys (every layer of most models; not a hybrid model's
+    linear-attention layers, nor Gemma 4's sliding-window and KV-shared layers). ValueError naming `layer_types` for
+    a kind the caches do not hold."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = layer_kinds(config)
+    sources = kv_sources(kinds, getattr(text, "num_kv_shared_layers", 0) or 0)
+    return tuple(i for i, kind in enumerate(kinds) if kind == FULL and sources[i] == i)
+
+
+def cache_kv_heads(config) -> int:
+    """Hkv of the layers the policy caches hold (`cache_layers`), from a model config alone: the first one's own
+    count where the config keeps one per layer (Gemma 4's full layers), else the config's."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    per_layer = getattr(text, "per_layer_config", None)
+    source = text if per_layer is None else per_layer[cache_layers(config)[0]]
+    return int(getattr(source, "num_key_value_heads", None) or text.num_attention_heads)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -18,6 +18,7 @@ from importlib import metadata
 
 import torch
 
+from hermes.window import cache_kv_heads, cache_layers
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES, H2SVCConfig, class_counts
 
 FORMAT = "hermes-kernels/h2svc-head-map"
@@ -128,12 +129,10 @@ def _model_shape(model) -> tuple[str | None, int, int, str]:
     if not callable(get_text_config) or getattr(config, "model_type", None) is None:
         raise TypeError(f"model: expected a loaded model, its transformers config or an H2SVCConfig, got "
                         f"{type(model).__name__}")
-    text = get_text_config()
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    # a hybrid model's map covers its full-attention layers only (docs/qwen3_5.md#hybrid-cache)
-    kinds = getattr(text, "layer_types", None) or ()
-    layers = int(text.num_hidden_layers) - sum(kind == "linear_attention" for kind in kinds)
-    return config.model_type, layers, int(kv_heads), getattr(config, "name_or_path", "") or ""
+    # a map covers the layers the caches hold: a hybrid model's full-attention layers (docs/qwen3_5.md#hybrid-cache),
+    # Gemma 4's full-attention layers that compute keys (docs/gemma4.md#roles)
+    return config.model_type, len(cache_layers(config)), cache_kv_heads(config), \
+        getattr(config, "name_or_path", "") or ""
 
 
 def check_head_map(profile: HeadProfile, model, source: str = "head map") -> None:

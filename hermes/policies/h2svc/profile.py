@@ -16,9 +16,9 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
-from hermes.linear_state import LINEAR, layer_kinds
+from hermes.window import cache_kv_heads, cache_layers
 from hermes.models import family_of
 from hermes_kernels.engine.checks import check_positive_int
 from hermes_kernels.policies.h2svc.config import class_counts
@@ -151,13 +151,16 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
     layout = family.rotary(model)[1]
     positions = _Positions(mrope=layout is not None and layout.num_axes == 3)  # a 1D layout may be partial
 
-    def forward(embeds: torch.Tensor, rel: torch.Tensor | None = None, **extra) -> torch.Tensor:
-        ids = positions.take(embeds.shape[1], rel, embeds.device)
-        return language_model(inputs_embeds=embeds, position_ids=ids, cache=cache, use_cache=True,
-                              h2svc_sums=sums, **extra).last_hidden_state
+    def forward(inputs: dict, rel: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
+                **extra) -> torch.Tensor:
+        count = next(iter(inputs.values())).shape[1]
+        ids = positions.take(count, rel, device)
+        return language_model(**inputs, position_ids=ids, cache=cache, use_cache=True, h2svc_sums=sums,
+                              h2svc_blocks=blocks, **extra).last_hidden_state
 
-    def text(ids: list[int]) -> torch.Tensor:
-        return embed(torch.tensor([ids], device=device))
+    def text(ids: list[int]) -> dict:
+        # token ids, not their embeddings: a model with per-layer inputs (Gemma 4) computes them from the ids
+        return {"input_ids": torch.tensor([ids], device=device)}
 
     sums.queries = None
     forward(text(prefix_ids))
@@ -173,7 +176,8 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
         T_f = tokens // count
         query_frames = n + torch.arange(tokens, device=chunk.embeds.device) // T_f
         sums.queries = Queries(P, n + count, T_f, query_frames)
-        forward(chunk.embeds, chunk.rel_positions, **chunk.lm_kwargs())  # Qwen3-VL: DeepStack
+        # Qwen3-VL: DeepStack; Gemma 4: per-layer inputs, and vision blocks for its sliding-window layers' masks
+        forward({"inputs_embeds": chunk.embeds}, chunk.rel_positions, chunk.blocks, **chunk.lm_kwargs())
         n += count
         sampled += len(frames)
         bar.update()
@@ -182,7 +186,7 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
     v2v = sums.take("v2v") / (n * T_f)
 
     video_length, video_next = cache.get_seq_length(), positions.next
-    video_states = _linear_states(cache)
+    video_states = _uncroppable(cache)
     lm_head = model.get_output_embeddings()
     eos = tokenizer.eos_token_id
     t2v, text_queries = [], 0
@@ -201,26 +205,35 @@ def _profile_clip(model, processor, family, clip: _Clip, sums: TADSums, *, fps: 
         _back_to_video(cache, video_length, video_states)
         positions.next = video_next
 
-    num_kv_heads = model.config.get_text_config().num_key_value_heads
+    num_kv_heads = cache_kv_heads(model.config)
     return {"source": clip.name, "frames": sampled, "memory_frames": n, "tokens_per_frame": T_f,
             "text_queries": text_queries, "tad_v2v": _per_kv_head(v2v, num_kv_heads),
             "tad_t2v": _per_kv_head(torch.stack(t2v).mean(dim=0), num_kv_heads)}
 
 
-def _linear_states(cache: DynamicCache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Clones of a hybrid model's linear-attention states (conv, recurrent) by decoder layer; {} without them."""
-    return {i: (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
-            for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+def _uncroppable(cache: DynamicCache) -> dict[int, tuple]:
+    """Clones of what a crop cannot take back, by decoder layer: a hybrid model's linear-attention states (conv,
+    recurrent), a sliding-window layer's window (keys, values and the count of tokens it has seen); {} without."""
+    states = {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            states[i] = (layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+        elif getattr(layer, "is_sliding", False) and layer.is_initialized:
+            states[i] = (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
+    return states
 
 
 def _back_to_video(cache: DynamicCache, video_length: int, states: dict) -> None:
-    """Drop a question and its answer: the attention layers' keys cropped back to `video_length`, the
-    linear-attention layers' states (which cannot be cropped) put back from `states`."""
+    """Drop a question and its answer: the attention layers' keys cropped back to `video_length`, the states a crop
+    cannot take back (`_uncroppable`) put back from `states` (a KV-shared layer's DummyLayer holds nothing)."""
     for i, layer in enumerate(cache.layers):
-        if i in states:
+        if i in states and isinstance(layer, LinearAttentionCacheLayerMixin):
             layer.conv_states[0].copy_(states[i][0])
             layer.recurrent_states[0].copy_(states[i][1])
-        else:  # transformers 5: a negative count drops that many
+        elif i in states:
+            layer.keys, layer.values = states[i][0].clone(), states[i][1].clone()
+            layer.cumulative_length = states[i][2]
+        elif not isinstance(layer, DummyLayer):  # transformers 5: a negative count drops that many
             layer.crop(video_length - layer.get_seq_length())
 
 
@@ -269,16 +282,11 @@ def profile_heads(model: torch.nn.Module, processor, videos, *, fps: float = 1.0
                                          max_frames=max_frames, answer_tokens=answer_tokens,
                                          query_block=query_block)
     text_config = model.config.get_text_config()
-    layers = family.language_model(model).layers
-    sliding = [i for i, layer in enumerate(layers)
-               if getattr(getattr(layer, "self_attn", None), "sliding_window", None)]
-    if sliding:
-        raise ValueError(f"model: layers {sliding} use sliding-window attention; the profiler computes full causal "
-                         "attention only")
-    # a hybrid model's linear-attention layers hold no tokens: only its full-attention layers are routed
-    decoder_layers = tuple(i for i, kind in enumerate(layer_kinds(model.config)) if kind != LINEAR)
+    # only the layers the caches hold are routed: a hybrid model's full-attention layers, Gemma 4's full-attention
+    # layers that compute keys (its sliding-window and KV-shared layers run as the model runs them, unprofiled)
+    decoder_layers = cache_layers(model.config)
     num_layers = len(decoder_layers)
-    num_heads, num_kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
+    num_heads, num_kv_heads = text_config.num_attention_heads, cache_kv_heads(model.config)
     class_counts(num_layers * num_kv_heads, instant_ratio, short_ratio)
     if model.training:
         raise ValueError("model: in training mode; call model.eval() first (the profile runs without dropout)")

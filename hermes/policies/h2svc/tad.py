@@ -92,13 +92,18 @@ class TADSums:
 
 def profile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                              *, h2svc_sums: TADSums | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                              *, h2svc_sums: TADSums | None = None, h2svc_blocks: torch.Tensor | None = None,
+                              sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention-interface entry (PROFILE_ATTENTION): the eager attention of one layer, query
-    [1, H, T, D] after RoPE, key/value [1, Hkv, N, D] (the cache plus the T incoming tokens), and its streamed
-    reduction into `h2svc_sums` (passed through the model's forward kwargs). Returns (output [1, T, H, D], None).
+    [1, H, T, D] after RoPE, key/value [1, Hkv, N, D] (the cache plus the T incoming tokens), and, for a layer the
+    caches hold (`h2svc_sums.index`), its streamed reduction into `h2svc_sums` (passed through the model's forward
+    kwargs). Returns (output [1, T, H, D], None).
 
     Not in transformers' AttentionMaskInterface, so the model passes attention_mask=None; the queries are the last
-    T of the N keys, and query row r sees keys <= N − T + r (bottom-right causal). Eval only: no dropout.
+    T of the N keys, and query row r sees keys <= N − T + r (bottom-right causal). A sliding-window layer
+    (`sliding_window` W, Gemma 4) also sees no key W or more tokens back, and a query sees the keys after it in its
+    own vision block (`h2svc_blocks`, int64 [T] over the incoming tokens, -1 for text): the mask transformers
+    builds for it. Eval only: no dropout.
     """
     if not isinstance(h2svc_sums, TADSums):
         raise RuntimeError(f"{PROFILE_ATTENTION} attention runs only inside profile_heads (h2svc_sums missing)")
@@ -115,14 +120,23 @@ def profile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     out = torch.empty_like(grouped)
     block = h2svc_sums.block_rows(num_heads, total)
     key_index = torch.arange(total, device=query.device)
+    profiled = module.layer_idx in h2svc_sums.index
     for start in range(0, count, block):
         rows = slice(start, min(start + block, count))
         scores = torch.matmul(grouped[:, :, :, rows], keys_t) * scaling  # [1, Hkv, g, t, N]
-        visible = key_index <= torch.arange(rows.start, rows.stop, device=query.device)[:, None] + (total - count)
+        query_index = torch.arange(rows.start, rows.stop, device=query.device)[:, None] + (total - count)
+        visible = key_index <= query_index
+        if sliding_window is not None:
+            if h2svc_blocks is not None:
+                blocks = torch.cat([h2svc_blocks.new_full((total - count,), -1), h2svc_blocks]).to(query.device)
+                own = blocks[rows.start + total - count:rows.stop + total - count, None]
+                visible |= (blocks[None, :] == own) & (own >= 0)
+            visible &= key_index > query_index - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         out[:, :, :, rows] = torch.matmul(probs.to(query.dtype), values)
-        h2svc_sums.add(module.layer_idx, probs.view(num_heads, rows.stop - rows.start, total), rows)
+        if profiled:
+            h2svc_sums.add(module.layer_idx, probs.view(num_heads, rows.stop - rows.start, total), rows)
     return out.view(1, num_heads, count, dim).transpose(1, 2).contiguous(), None
 
 
