@@ -148,10 +148,13 @@ def _dtype(value) -> str:
 def check_checkpoint_settings(settings: EvalSettings):
     """(config, family, processor) of the checkpoint, read without its weights, and the policy's class (an installed
     package's is imported here, before the weights); ValueError naming the argument when its model type is not
-    supported, its positions cannot hold the budget, or the head map was profiled on another model; ImportError
+    supported, its positions cannot hold the budget, the head map was profiled on another model, or batch_size asks
+    for lockstep batches a model with linear-attention or sliding-window layers cannot pad questions for; ImportError
     naming the package when the policy's cannot be imported."""
     from hermes.commands import check_checkpoint
+    from hermes.linear_state import LINEAR, SLIDING, layer_kinds
     from hermes.models.processing import load_processor
+    from hermes.window import cache_layers
     from hermes.policies.h2svc.head_map import check_head_map, load_head_map
     from hermes_kernels import HermesConfig
 
@@ -159,6 +162,12 @@ def check_checkpoint_settings(settings: EvalSettings):
         config, family = check_checkpoint(settings.pretrained)
     except (OSError, ValueError) as err:
         raise ValueError(f"pretrained: {settings.pretrained}: {err}") from err
+    kinds = set(layer_kinds(config))
+    if settings.batch_size > 1 and kinds & {LINEAR, SLIDING}:
+        # a lockstep batch pads its streams' questions to one length, which these layers would take in
+        raise ValueError(f"batch_size: {family.name}'s {'linear-attention' if LINEAR in kinds else 'sliding-window'} "
+                         f"layers take no padded question batch (docs/qwen3_5.md#hybrid-cache, "
+                         f"docs/gemma4.md#limits); pass batch_size 1, got {settings.batch_size}")
     processor = load_processor(settings.pretrained, family)
     get_policy(settings.policy)
     text = config.get_text_config()
@@ -166,7 +175,7 @@ def check_checkpoint_settings(settings: EvalSettings):
         tokenizer = getattr(processor, "tokenizer", processor)
         prefix_len = len(tokenizer(family.prefix_text(None), add_special_tokens=False)["input_ids"])
         try:
-            HermesConfig.preset(family.preset_name, text.num_hidden_layers, settings.budget, prefix_len,
+            HermesConfig.preset(family.preset_name, len(cache_layers(config)), settings.budget, prefix_len,
                                 max_positions=text.max_position_embeddings)
         except ValueError as err:
             raise ValueError(f"budget: {settings.budget} does not fit {settings.pretrained}: {err}") from err

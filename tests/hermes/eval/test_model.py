@@ -292,3 +292,35 @@ def test_a_prompt_that_fills_the_room_exactly_is_accepted_and_one_token_more_is_
     with pytest.raises(ValueError, match=rf"^room: {TASK}/0's prompt and answer need {room + 1} cache slots, more "
                                          rf"than room={room}; pass room={room + 1} \(or more\) in --model_args$"):
         model.generate_until(requests(model, over))
+
+
+@pytest.fixture(scope="module")
+def gemma4_checkpoint(tmp_path_factory):
+    """A tiny Gemma 4 checkpoint, its positions raised to 16384 (H2SVC's default episodic window of 64 frames of ~70
+    tokens needs more than the tiny model's 4096)."""
+    from scaffolding.checkpoint import save_tiny_checkpoint
+    folder = save_tiny_checkpoint(tmp_path_factory.mktemp("gemma4"), "gemma4")
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    config["text_config"]["max_position_embeddings"] = 16384
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+@pytest.mark.parametrize("policy", ["hermes", "h2svc"])
+def test_gemma4_answers_under_both_policies(policy, gemma4_checkpoint, videos):
+    """Three questions over two videos on Gemma 4 (sliding-window and KV-shared layers): every question answered,
+    each video streamed once."""
+    model = build(gemma4_checkpoint, **({"policy": policy} if policy == "h2svc" else {}))
+    answers = model.generate_until(requests(model, docs_over(videos, ["a", "c", "a"])))
+    assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
+    assert model.counts["generate_until"] == {"videos": 2, "questions": 3}
+
+
+def test_lockstep_batches_are_refused_where_questions_cannot_be_padded(gemma4_checkpoint, no_weights):
+    """A lockstep batch pads its streams' questions to one length, which sliding-window layers would take in: Gemma 4
+    with batch_size 2 is refused in one line naming batch_size, before any weights load."""
+    with pytest.raises(ValueError, match=r"^batch_size: Gemma 4's sliding-window layers take no padded question "
+                                         r"batch .*pass batch_size 1, got 2$"):
+        HermesModel(pretrained=gemma4_checkpoint, device="cpu", batch_size=2)
