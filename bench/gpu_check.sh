@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # One check on a CUDA machine: the kernel tests on the GPU (HERMES and H2SVC stages), the real-size check against the
-# references (tests/hermes_kernels/test_real_size.py at the 7B shapes and Qwen3.5's: the HERMES step lazy and eager
-# with two streams, the H2SVC step of every class block, every rotary layout (partial rotary included), fp16 and
-# bf16, keep sets and moved caches; the split launch when there are two GPUs), then the benchmark tables at the
-# LLaVA-OV-7B and Qwen2.5-VL-7B shapes in fp16 (triton, torch, reference): the HERMES stages, then the H2SVC stages
-# (frame features, STCE, the step of all three class blocks; 16-frame chunks, full memories), then the stages that
-# rotate keys at the Qwen3-VL-8B shape (interleaved M-RoPE sections) and at Qwen3.5's (its 8 full-attention layers,
-# D 256 with partial rotary R 64; triton and torch), each with the device-to-device copy bandwidth measured in the
-# same run for the floor ratio.
+# references (tests/hermes_kernels/test_real_size.py at the 7B shapes, Qwen3.5's and Gemma 4's: the HERMES step lazy
+# and eager with two streams, the H2SVC step of every class block, every rotary layout (partial rotary and Gemma 4's
+# proportional RoPE at D 512 included), fp16 and bf16, keep sets and moved caches; the split launch when there are
+# two GPUs), then the benchmark tables at the LLaVA-OV-7B and Qwen2.5-VL-7B shapes in fp16 (triton, torch,
+# reference): the HERMES stages, then the H2SVC stages (frame features, STCE, the step of all three class blocks;
+# 16-frame chunks, full memories), then the stages that rotate keys at the Qwen3-VL-8B shape (interleaved M-RoPE
+# sections), at Qwen3.5's (its 8 full-attention layers, D 256 with partial rotary R 64) and at Gemma 4's (its 5
+# full-attention layers, D 512, proportional RoPE; triton and torch), each with the device-to-device copy bandwidth
+# measured in the same run for the floor ratio.
 #
 #   bash bench/gpu_check.sh OUTDIR
 #
 # Needs python3 with torch, triton, transformers, pytest, tqdm (matplotlib optional; pytest-xdist used when there)
 # already installed; installs nothing, downloads nothing, needs no flash-attn. Writes into OUTDIR: nvidia-smi.txt,
 # tests.log, real_size.log, kernels.log, bench.log, bench_h2svc.log, bench_rotary.log, <gpu>.csv, <gpu>.png. Sized
-# for a 15-minute device lease with room for one rerun: at most about 7.5 minutes (2 for the tests, 2 for the
-# real-size check, 0.75 for the static compile table, 1.25 for the HERMES table, 1 for the H2SVC table, 0.6 for
-# Qwen3-VL-8B and Qwen3.5); the exit status is non-zero if the tests, the real-size check, the compile check or a
-# benchmark failed.
+# for a 15-minute device lease with room for one rerun: at most about 7.8 minutes (2 for the tests, 2.2 for the
+# real-size check, 0.75 for the static compile table, 1.25 for the HERMES table, 1 for the H2SVC table, 0.7 for
+# Qwen3-VL-8B, Qwen3.5 and Gemma 4); the exit status is non-zero if the tests, the real-size check, the compile check
+# or a benchmark failed.
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -58,15 +59,15 @@ timeout 120 "$python" -m pytest "${cuda_tests[@]}" "${workers[@]}" -q -p no:cach
 #     CI); the two-GPU split launch is skipped on a one-GPU machine.
 echo "== real-size check"
 real_rc=0
-timeout 120 "$python" -m pytest tests/hermes_kernels/test_real_size.py -k "7b" "${workers[@]}" -q -rs \
+timeout 130 "$python" -m pytest tests/hermes_kernels/test_real_size.py -k "7b" "${workers[@]}" -q -rs \
     -p no:cacheprovider 2>&1 | tee "$out/real_size.log" || real_rc=$?
 
 # 2. The static compile table of the same shapes (registers, spills, occupancy, access widths), to read next to
 #    the measured times (python -m bench.kernels; it compiles for sm_80/sm_90 and needs no device).
 echo "== kernel compile table"
 kernels_rc=0
-timeout 45 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b qwen3-vl-8b qwen3.5 --dtypes fp16 \
-    --jobs "$(nproc)" 2>&1 | tee "$out/kernels.log" || kernels_rc=$?
+timeout 45 "$python" -m bench.kernels --check --models llava-ov-7b qwen2.5-vl-7b qwen3-vl-8b qwen3.5 gemma4 \
+    --dtypes fp16 --jobs "$(nproc)" 2>&1 | tee "$out/kernels.log" || kernels_rc=$?
 
 # 3. The benchmark table (the reference is slow Python per layer: fewer repeats).
 echo "== benchmark"
@@ -85,19 +86,20 @@ timeout 60 "$python" -m bench --device cuda --shapes llava-ov-7b qwen2.5-vl-7b -
     --repeats 20 --reference-repeats 1 --warmup 1 --no-e2e --no-plot --out "$out" 2>&1 \
     | tee "$out/bench_h2svc.log" || h2svc_rc=$?
 
-# 5. Qwen3-VL-8B (36 layers, 8 KV heads, interleaved M-RoPE sections) and Qwen3.5 (8 full-attention layers, 4 KV
+# 5. Qwen3-VL-8B (36 layers, 8 KV heads, interleaved M-RoPE sections), Qwen3.5 (8 full-attention layers, 4 KV
 #    heads of D 256, partial rotary: interleaved M-RoPE over the first 64 channels; K/V 4.5x smaller per token than
-#    Qwen3-VL-8B's, so it adds about a fifth to this step, paid for by fewer repeats): the stages that rotate keys by
-#    a position delta, triton and torch only (the reference's per-layer loops are what makes steps 3-4 slow;
-#    agreement with it is the tests' job).
-echo "== benchmark: Qwen3-VL-8B and Qwen3.5, interleaved M-RoPE (Qwen3.5: partial rotary)"
+#    Qwen3-VL-8B's) and Gemma 4 (5 full-attention layers, 4 KV heads of D 512, 1D over all 256 pairs with its
+#    proportional inv_freq; K/V 3.6x smaller per token than Qwen3-VL-8B's): the stages that rotate keys by a position
+#    delta, triton and torch only (the reference's per-layer loops are what makes steps 3-4 slow; agreement with it
+#    is the tests' job). Qwen3.5 and Gemma 4 each add about a fifth to this step, paid for by fewer repeats.
+echo "== benchmark: Qwen3-VL-8B and Qwen3.5, interleaved M-RoPE (Qwen3.5: partial rotary); Gemma 4, D 512"
 qwen3_rc=0
-timeout 35 "$python" -m bench --device cuda --shapes qwen3-vl-8b qwen3.5 --dtypes float16 --budgets 6000 --chunks 16 \
-    --stages compact step h2svc_step --backends torch triton --repeats 12 --warmup 2 --no-e2e --no-plot \
+timeout 40 "$python" -m bench --device cuda --shapes qwen3-vl-8b qwen3.5 gemma4 --dtypes float16 --budgets 6000 \
+    --chunks 16 --stages compact step h2svc_step --backends torch triton --repeats 10 --warmup 2 --no-e2e --no-plot \
     --out "$out" 2>&1 | tee "$out/bench_rotary.log" || qwen3_rc=$?
 
 echo "== gpu_check: tests exit ${tests_rc}, real-size check exit ${real_rc}, compile check exit ${kernels_rc}, bench" \
-    "exit ${bench_rc}, H2SVC bench exit ${h2svc_rc}, Qwen3-VL bench exit ${qwen3_rc}; results in $out"
+    "exit ${bench_rc}, H2SVC bench exit ${h2svc_rc}, rotary bench exit ${qwen3_rc}; results in $out"
 if [[ $tests_rc -ne 0 || $real_rc -ne 0 || $kernels_rc -ne 0 || $bench_rc -ne 0 || $h2svc_rc -ne 0 \
       || $qwen3_rc -ne 0 ]]; then
     exit 1

@@ -125,7 +125,7 @@ class Inputs:
         self.positions = visual_positions(spec, gen)
         self.attn = distinct_values(gen, (L, B, spec.num_visual), device)
         self.scores = distinct_values(gen, (L, B, spec.num_visual), device)
-        self.inv_freq = geometry.inv_freq(device)
+        self.inv_freq = spec.shape.inv_freq(device)
         self.guidance = {}
         for q_len in (GUIDANCE_MIXED, GUIDANCE_GLOBAL):
             q = torch.randn(B, geometry.num_heads, q_len, D, generator=gen, device=device, dtype=spec.dtype)
@@ -227,7 +227,7 @@ class H2SVCInputs:
         # the stream clock of every block (held = its full window: `clock.at`)
         self.clock = hk.StreamClock(held=0, num_frames=F, first_frame=self.first_frame,
                                     reindexed=torch.tensor(spec.reindex == "eager"), next_position=next_position)
-        self.inv_freq = spec.shape.geometry.inv_freq(spec.device)
+        self.inv_freq = spec.shape.inv_freq(spec.device)
         self.blocks = {cls: ClassBlock(spec, cls, self.first_frame, gen)
                        for cls in (INSTANT, SHORT, EPISODIC) if cfg.num_rows(cls)}
         self.movers = {cls: min(F, block.window) * cfg.num_rows(cls) * spec.batch

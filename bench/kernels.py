@@ -85,26 +85,27 @@ def spec_cases(models: list[str] | None = None, dtypes: list[str] | None = None,
     (LLaVA-OV-7B 1D, Qwen2.5-VL-7B M-RoPE in contiguous sections, Qwen3-VL-8B M-RoPE in interleaved ones) x
     fp16/bf16/fp32 x budgets 6000/4000 x re-index lazy/eager/given; head dims 64 and 256 (LLaVA-OV-0.5B, and the 7B
     shapes at D = 64 / 256) x each dtype at budget 6000, lazy; Qwen3.5 (D 256, partial rotary R = 64, interleaved
-    [11, 11, 10]) x each dtype at budget 6000, lazy and eager; the headline shapes with two streams (fp16, 6000,
-    lazy: B = 1 is specialised as a constant, so B > 1 compiles apart).
+    [11, 11, 10]) and Gemma 4 (D 512, 1D over 256 pairs: its proportional inv_freq is runtime data, so the
+    compiles are those of any 1D head of 512) x each dtype at budget 6000, lazy and eager; the headline shapes with
+    two streams (fp16, 6000, lazy: B = 1 is specialised as a constant, so B > 1 compiles apart).
     H2SVC (`H2SVCCase`; the default head map and windows, full memories): the headline shapes x each dtype x 16-
-    and 8-frame chunks x re-index on/off; the D = 64 / 256 shapes and Qwen3.5 x each dtype x 16 frames x re-index
-    on/off; the headline shapes with two streams (fp16, 16 frames, re-index on/off).
+    and 8-frame chunks x re-index on/off; the D = 64 / 256 shapes, Qwen3.5 and Gemma 4 x each dtype x 16 frames x
+    re-index on/off; the headline shapes with two streams (fp16, 16 frames, re-index on/off).
     `models` / `dtypes` / `streams` / `policies` keep only those model names (as labelled) / dtypes / stream
     counts / policies ("hermes", "h2svc")."""
     headline = [SHAPES["llava-ov-7b"], SHAPES["qwen2.5-vl-7b"], SHAPES["qwen3-vl-8b"]]
     dims = [SHAPES["llava-ov-0.5b"], _with_head_dim(headline[1], 64), _with_head_dim(headline[0], 256),
             _with_head_dim(headline[1], 256)]
-    partial = SHAPES["qwen3.5"]
+    widths = [SHAPES["qwen3.5"], SHAPES["gemma4"]]  # partial rotary at D 256; D 512
     budgets = sorted(BUDGETS, reverse=True)  # docs/hermes.md §4's 6K first: it names the rows of the table
     hermes, h2svc = [], []
     for dtype in dtypes or list(_DTYPES):
         hermes += [_case(s, dtype, b, r) for s in headline for b in budgets for r in ("lazy", "eager", "given")]
         hermes += [_case(s, dtype, budgets[0], "lazy") for s in dims]
-        hermes += [_case(partial, dtype, budgets[0], r) for r in ("lazy", "eager")]
+        hermes += [_case(s, dtype, budgets[0], r) for s in widths for r in ("lazy", "eager")]
         h2svc += [_h2svc_case(s, dtype, f, r) for s in headline for f in (CHUNK_FRAMES, CHUNK_FRAMES // 2)
                   for r in (True, False)]
-        h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r) for s in dims + [partial] for r in (True, False)]
+        h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r) for s in dims + widths for r in (True, False)]
         if dtype == "fp16":
             hermes += [_case(s, dtype, budgets[0], "lazy", batch=2) for s in headline]
             h2svc += [_h2svc_case(s, dtype, CHUNK_FRAMES, r, batch=2) for s in headline for r in (True, False)]

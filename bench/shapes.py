@@ -2,9 +2,11 @@
 
 A shape is a name, what the compression step sees of a model (`hermes_kernels.engine.geometry.ModelGeometry`: layer
 count, query/KV heads, head dim, RoPE base and position limit, the rotary layout: contiguous M-RoPE sections for
-Qwen2.5-VL, interleaved for Qwen3-VL, interleaved over the first R of D channels for Qwen3.5) and its family's
-preset of both policies (HERMES `config`, H2SVC `h2svc_config`); a hybrid's linear-attention state: `LINEAR_STATES`.
-Numbers are the models' published configs (Qwen3.5: transformers 5.24's default config).
+Qwen2.5-VL, interleaved for Qwen3-VL, interleaved over the first R of D channels for Qwen3.5, 1D over every pair
+for Gemma 4), the rotary inverse frequencies the model's keys carry (`ModelShape.inv_freq`: default RoPE, or Gemma 4's
+proportional RoPE) and its family's preset of both policies (HERMES `config`, H2SVC `h2svc_config`); a hybrid's
+linear-attention state: `LINEAR_STATES`. Numbers are the models' published configs (Qwen3.5: transformers 5.24's
+default config; Gemma 4: transformers 5.25's default Gemma4TextConfig).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from hermes_kernels import H2SVCConfig, HermesConfig, RotaryLayout
 from hermes_kernels.engine.geometry import ModelGeometry
+from scaffolding.rotary import proportional_inv_freq
 
 TOKENS_PER_FRAME = 196      # 14 x 14 merged patches per frame (LLaVA-OV after pooling, Qwen2.5-VL merged grid)
 GRID_WIDTH = 14             # merged-grid width; M-RoPE h/w coordinates come from it
@@ -32,6 +35,17 @@ class ModelShape:
     geometry: ModelGeometry
     preset_name: str  # the family's preset in both policies' configs (`HermesConfig.preset`, `H2SVCConfig.preset`)
     h2svc_windows: tuple[int, int, int] | None = None  # (W_s, W_w, N_e) frames; None: the paper's 4 / 16 / 64
+    # proportional RoPE's partial_rotary_factor (transformers' rope type "proportional": Gemma 4's full-attention
+    # layers, 0.25), or None for default RoPE; see `inv_freq`
+    proportional: float | None = None
+
+    def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """float32 [R/2]: the rotary inverse frequencies of the model's keys. Default RoPE: the geometry's
+        (`ModelGeometry.inv_freq`); proportional RoPE: `scaffolding.rotary.proportional_inv_freq` over all D/2 pairs
+        (most of them at frequency 0)."""
+        if self.proportional is None:
+            return self.geometry.inv_freq(device)
+        return proportional_inv_freq(self.geometry.head_dim, self.proportional, self.geometry.rope_theta, device)
 
     def config(self, budget: int, prefix_len: int = PREFIX_LEN, reindex: str = "eager") -> HermesConfig:
         """The model family's HERMES preset at this shape."""
@@ -50,10 +64,10 @@ class ModelShape:
 
 def _shape(name: str, preset_name: str, *, layers: int, heads: int, kv_heads: int, head_dim: int, theta: float,
            max_positions: int, rotary: RotaryLayout | None = None,
-           h2svc_windows: tuple[int, int, int] | None = None) -> ModelShape:
+           h2svc_windows: tuple[int, int, int] | None = None, proportional: float | None = None) -> ModelShape:
     geometry = ModelGeometry(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                              max_positions=max_positions, rope_theta=theta, rotary=rotary)
-    return ModelShape(name, geometry, preset_name, h2svc_windows)
+    return ModelShape(name, geometry, preset_name, h2svc_windows, proportional)
 
 
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
@@ -74,6 +88,14 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     # over the 8 full-attention layers.
     _shape("qwen3.5", "qwen3_5", layers=8, heads=16, kv_heads=4, head_dim=256, theta=1e4, max_positions=32768,
            rotary=RotaryLayout.interleaved((11, 11, 10))),
+    # Gemma 4, the layers the policies compress in transformers 5.25's default Gemma4TextConfig: the 5 of its 30
+    # layers that `layer_types` marks full_attention (every sixth; the 25 sliding-window layers keep a 512-token
+    # window, head dim 256, nothing to compress), 8 heads over 4 KV heads (attention_k_eq_v is off, so the full layers
+    # keep num_key_value_heads) of global_head_dim 512, 131072 positions. RoPE: proportional, partial_rotary_factor
+    # 0.25, theta 1e6: a plain 1D layout over the 256 pairs whose first 64 turn and whose other 192 have frequency 0
+    # (`inv_freq`; the rotary module's `full_attention_inv_freq`). Preset: `gemma4`.
+    _shape("gemma4", "gemma4", layers=5, heads=8, kv_heads=4, head_dim=512, theta=1e6, max_positions=131072,
+           proportional=0.25),
 )}
 
 # Tiny geometry for smoke runs (--quick, tests/bench/test_bench.py); not a real model, so not in SHAPES. Their H2SVC
@@ -85,6 +107,8 @@ SMOKE_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
            rotary=RotaryLayout.sections((4, 6, 6)), h2svc_windows=(2, 4, 8)),
     _shape("smoke-mrope-interleaved", "qwen3_vl", layers=4, heads=4, kv_heads=2, head_dim=32, theta=1e4,
            max_positions=4096, rotary=RotaryLayout.interleaved((6, 5, 5)), h2svc_windows=(2, 4, 8)),
+    _shape("smoke-proportional", "gemma4", layers=4, heads=4, kv_heads=2, head_dim=32, theta=1e4,
+           max_positions=4096, h2svc_windows=(2, 4, 8), proportional=0.25),
 )}
 
 

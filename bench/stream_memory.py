@@ -1,6 +1,6 @@
 """Memory of one 512 s stream at the real shapes: uncompressed K/V, the HERMES and H2SVC caches as their policies
-allocate them, and a hybrid's linear-attention state (cheap arithmetic, no timing: printed by every `python -m bench`,
---quick and --full included).
+allocate them, a hybrid's linear-attention state and a sliding-window model's windows (cheap arithmetic, no timing:
+printed by every `python -m bench`, --quick and --full included).
 
 The frame assumptions (`FRAME_PIXELS`, `TEXT_PER_STEP`), what is counted and the formulas:
 docs/benchmarks.md#memory-of-a-512-s-stream. `build_cache` makes a policy's cache on the meta device with the
@@ -8,13 +8,16 @@ arguments its `StreamPolicy` passes; tests/bench/test_stream_memory.py holds the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+from transformers import Gemma4TextConfig
 
 from hermes.cache import StreamCacheBase
 from hermes.policies.h2svc.cache import H2SVCCache
 from hermes.policies.hermes.cache import HermesCache
+from hermes.window import SLIDING, kv_sources
 from hermes_kernels.policies.h2svc.config import CLASS_NAMES
 from hermes_kernels.rope import RotaryLayout
 
@@ -23,7 +26,7 @@ from .stages import cache_bytes
 
 SECONDS = 512
 FPS = (0.5, 1.0)
-MODELS = ("llava-ov-7b", "qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3.5")
+MODELS = ("llava-ov-7b", "qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3.5", "gemma4")
 CHUNK_VIDEO_FRAMES = 16     # HermesStream's default chunk_frames
 ROOM = 512                  # HermesStream's default room
 BUDGET = 6000               # HermesStream's default budget
@@ -32,11 +35,46 @@ LINEAR_COPIES = 2           # a hybrid stream keeps each linear state twice: the
 POSITION_BYTES = torch.int64.itemsize
 # Square frames: (side in pixels, pixels per merged token = patch size x spatial merge) of the Qwen shapes, whose
 # token count follows the frame size. LLaVA-OV-7B: 384 px SigLIP frames, 27 x 27 patches pooled to 14 x 14 = 196.
-FRAME_PIXELS = {"qwen2.5-vl-7b": (392, 14 * 2), "qwen3-vl-8b": (448, 16 * 2), "qwen3.5": (448, 16 * 2)}
+FRAME_PIXELS = {"qwen2.5-vl-7b": (392, 14 * 2), "qwen3-vl-8b": (448, 16 * 2), "qwen3.5": (448, 16 * 2),
+                "gemma4": (384, 16 * 3)}
+# Gemma 4: Gemma4VideoProcessor's default max_soft_tokens 70 fits a square frame of any size to 24 x 24 patches of 16
+# px, 8 x 8 = 64 soft tokens after its 3 x 3 pooling (a 384 px side of 16 · 3 px per token)
 # Text tokens of every temporal step of the timestamped families: <|vision_start|>, <|vision_end|> and the 10 tokens
 # of "<00012.5 seconds>" (Qwen's tokenizers give every digit a token of its own; an estimate, not read from a
 # released tokenizer)
-TEXT_PER_STEP = {"qwen3-vl-8b": 12, "qwen3.5": 12}
+TEXT_PER_STEP = {"qwen3-vl-8b": 12, "qwen3.5": 12, "gemma4": 9}
+# Gemma 4's 9: " mm:ss " as 7 tokens (digits one each) and <|image>, <image|> (an estimate, as above)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowShape:
+    """The sliding-window layers of a model: `layers` that compute their own keys (KV-shared ones hold none), their
+    KV heads and head dim, and the window W (a query sees W - 1 keys before itself)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    window: int
+
+    @classmethod
+    def from_config(cls, text_config) -> "WindowShape":
+        """Read from a text config with `layer_types`, `sliding_window`, `num_kv_shared_layers` and per-layer head
+        geometry (Gemma 4: `per_layer_config`)."""
+        kinds = text_config.layer_types
+        sources = kv_sources(kinds, text_config.num_kv_shared_layers or 0)
+        own = [i for i, kind in enumerate(kinds) if kind == SLIDING and sources[i] == i]
+        layer = text_config.per_layer_config[own[0]]
+        return cls(layers=len(own), kv_heads=layer.num_key_value_heads, head_dim=layer.head_dim,
+                   window=text_config.sliding_window)
+
+    def nbytes(self, slots: int, dtype: torch.dtype) -> int:
+        """K+V of `slots` tokens in every sliding layer of one stream."""
+        return self.layers * self.kv_heads * slots * 2 * self.head_dim * dtype.itemsize
+
+
+# The sliding-window part of the windowed shapes, by shape name: transformers 5.25's default Gemma4TextConfig (25 of
+# its 30 layers, 4 KV heads of 256, a 512-token window)
+WINDOWS: dict[str, WindowShape] = {"gemma4": WindowShape.from_config(Gemma4TextConfig())}
 
 
 def frame_tokens(name: str) -> int:
@@ -106,10 +144,18 @@ def linear_bytes(name: str) -> int:
     return 0 if state is None else state.nbytes(DTYPE)
 
 
+def window_bytes(name: str, slots: int) -> int:
+    """K+V of `slots` tokens in the sliding-window layers of one stream at shape `name` (0 for a model without)."""
+    window = WINDOWS.get(name)
+    return 0 if window is None else window.nbytes(slots, DTYPE)
+
+
 def stream_bytes(name: str, seconds: float = SECONDS, fps: float = 1.0) -> dict[str, int]:
     """Bytes of one stream of `seconds` at `fps`: `full` (K+V of every full-attention layer, every token), `hermes`
     and `h2svc` (K+V retained between chunks), `hermes_allocated` and `h2svc_allocated` (the caches' nbytes at
-    the defaults), `linear` (one copy of the linear-attention state), and `frames`."""
+    the defaults), `linear` (one copy of the linear-attention state), `window` (the sliding layers' W - 1 tokens,
+    what transformers' cache keeps of them), `window_allocated` (the rings a stream allocates: W - 1 + max(chunk,
+    room) slots) and `frames`."""
     shape = get_shape(name)
     g = shape.geometry
     P, T_f = PREFIX_LEN, frame_tokens(name)
@@ -121,15 +167,21 @@ def stream_bytes(name: str, seconds: float = SECONDS, fps: float = 1.0) -> dict[
             "full": g.num_layers * g.num_kv_heads * (P + frames * T_f) * 2 * g.head_dim * DTYPE.itemsize,
             "hermes": retained[f"hermes b={BUDGET}"][0], "h2svc": retained["h2svc"][0],
             "hermes_allocated": hermes_nbytes(shape, **sizes), "h2svc_allocated": h2svc_nbytes(shape, **sizes),
-            "linear": linear_bytes(name)}
+            "linear": linear_bytes(name), "window": window_bytes(name, _window(name) - 1),
+            "window_allocated": window_bytes(name, _window(name) - 1 + max(chunk_frames * T_f, ROOM))}
+
+
+def _window(name: str) -> int:
+    window = WINDOWS.get(name)
+    return 1 if window is None else window.window
 
 
 def totals(sizes: dict[str, int]) -> dict[str, int]:
-    """What one stream holds in all: uncompressed (K/V and the one linear state a transformers cache keeps), HERMES
-    and H2SVC (their caches and LINEAR_COPIES linear states)."""
-    return {"full": sizes["full"] + sizes["linear"],
-            "hermes": sizes["hermes_allocated"] + LINEAR_COPIES * sizes["linear"],
-            "h2svc": sizes["h2svc_allocated"] + LINEAR_COPIES * sizes["linear"]}
+    """What one stream holds in all: uncompressed (K/V, the one linear state and the windows a transformers cache
+    keeps), HERMES and H2SVC (their caches, LINEAR_COPIES linear states and the rings)."""
+    return {"full": sizes["full"] + sizes["linear"] + sizes["window"],
+            "hermes": sizes["hermes_allocated"] + LINEAR_COPIES * sizes["linear"] + sizes["window_allocated"],
+            "h2svc": sizes["h2svc_allocated"] + LINEAR_COPIES * sizes["linear"] + sizes["window_allocated"]}
 
 
 def report() -> str:
@@ -141,22 +193,26 @@ def report() -> str:
              f"  kept: K+V held between chunks (HERMES b={BUDGET}; H2SVC windows 4/16/64 frames, default ratios); "
              f"alloc: the cache's nbytes with a {CHUNK_VIDEO_FRAMES}-video-frame chunk and {ROOM} slots of room",
              f"  linear: the linear-attention layers' conv + recurrent state x{LINEAR_COPIES} (committed + working "
-             "copy); total: full + one linear state (what transformers' cache keeps), alloc + linear x2",
+             "copy); window: the sliding-window layers, W - 1 tokens (sliding-only: what transformers' cache keeps "
+             "of them) / the rings a stream allocates (W - 1 + max(chunk, room) slots)",
+             "  total: full + one linear state + windows (what transformers' cache keeps), alloc + linear x2 + rings",
              f"  {'model':<14} {'layers':>6} {'fps':>4} {'frames':>6} {'T_f':>4} {'full':>6} |{'kept HERMES':>12} "
-             f"{'H2SVC':>6} |{'alloc HERMES':>13} {'H2SVC':>6} {'linear':>7} |{'total full':>11} {'HERMES':>7} "
-             f"{'H2SVC':>6}"]
+             f"{'H2SVC':>6} |{'alloc HERMES':>13} {'H2SVC':>6} {'linear':>7} {'window':>13} |{'total full':>11} "
+             f"{'HERMES':>7} {'H2SVC':>6}"]
     for name in MODELS:
-        state = LINEAR_STATES.get(name)
+        state, window = LINEAR_STATES.get(name), WINDOWS.get(name)
         full_layers = get_shape(name).geometry.num_layers
-        layers = f"{full_layers}/{full_layers + (state.num_layers if state else 0)}"
+        others = (state.num_layers if state else 0) + (window.layers if window else 0)
+        layers = f"{full_layers}/{full_layers + others}"
         for fps in FPS:
             b = stream_bytes(name, SECONDS, fps)
             t = totals(b)
             lines.append(f"  {name:<14} {layers:>6} {fps:>4} {b['frames']:>6} {frame_tokens(name):>4} "
                          f"{b['full'] / gb:>6.2f} |{b['hermes'] / gb:>12.3f} {b['h2svc'] / gb:>6.3f} |"
                          f"{b['hermes_allocated'] / gb:>13.3f} {b['h2svc_allocated'] / gb:>6.3f} "
-                         f"{LINEAR_COPIES * b['linear'] / gb:>7.3f} |{t['full'] / gb:>11.2f} {t['hermes'] / gb:>7.3f} "
-                         f"{t['h2svc'] / gb:>6.3f}")
+                         f"{LINEAR_COPIES * b['linear'] / gb:>7.3f} "
+                         f"{b['window'] / gb:>6.3f}/{b['window_allocated'] / gb:>6.3f} |{t['full'] / gb:>11.2f} "
+                         f"{t['hermes'] / gb:>7.3f} {t['h2svc'] / gb:>6.3f}")
     hybrid, dense = totals(stream_bytes("qwen3.5")), totals(stream_bytes("qwen2.5-vl-7b"))
     full_layers = get_shape("qwen3.5").geometry.num_layers
     lines.append(f"  at 1 fps, qwen3.5 against qwen2.5-vl-7b uncompressed ({dense['full'] / gb:.2f} GB): uncompressed "

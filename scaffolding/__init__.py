@@ -5,5 +5,6 @@ scaffolding/standin/: a stand-in of the released HERMES classes (the adapter's t
 released-style baseline), without transformers. scaffolding/tokenizer.py, models.py, pixels.py, processors.py,
 checkpoint.py: tiny random LLaVA-OV / Qwen2.5-VL / Qwen3-VL models, their word-level tokenizer, pixel inputs and
 saved checkpoints (`python -m scaffolding.checkpoint OUT --model-type qwen2_5_vl`: a dry run of the `hermes`
-command). scaffolding/census.py: the live-tensor census. See docs/testing.md#scaffolding.
+command). scaffolding/census.py: the live-tensor census. scaffolding/rotary.py: proportional RoPE's inv_freq
+(Gemma 4). See docs/testing.md#scaffolding.
 """

@@ -179,8 +179,8 @@ def tiny_gemma4(seed: int = 0, max_positions: int = 4096, dtype: torch.dtype = t
                 num_layers: int | None = None) -> Gemma4ForConditionalGeneration:
     """Gemma 4 at toy sizes: GEMMA4_LAYER_TYPES with the last 2 layers reading an earlier layer's keys and values;
     or `num_layers` full-attention layers, each after two sliding ones, none shared; or `layer_types` (with
-    `num_kv_shared_layers`, default 0); sliding layers: 4 heads, 2 KV heads of 16, default RoPE, a window of `sliding_window`
-    tokens, vision tokens of one frame attending to each other both ways; full layers: KV heads of 32
+    `num_kv_shared_layers`, default 0); sliding layers: 4 heads, 2 KV heads of 16, default RoPE, a window of
+    `sliding_window` tokens, vision tokens of one frame attending to each other both ways; full layers: KV heads of 32
     (global_head_dim; 1 of them with `attention_k_eq_v`, whose values are the keys' projection), proportional RoPE
     turning 4 of the 16 pairs; per-layer input embeddings of 8; `moe`: 4 experts of 32, 2 per token, beside the
     dense MLP. Its tokenizer is tiny_tokenizer(digits=True, gemma=True)."""

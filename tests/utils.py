@@ -89,6 +89,12 @@ def inv_freq_of(head_dim: int, rotary, theta: float = 1e6, device="cpu") -> torc
     return inv_freq_for(rotary_width(head_dim, rotary), theta, device)
 
 
+def frozen_channels(inv_freq: torch.Tensor) -> torch.Tensor:
+    """bool [2·inv_freq.numel()]: the channels of a 1D rotate-half head whose pair has frequency 0 (both halves)."""
+    still = (inv_freq == 0).cpu()
+    return torch.cat([still, still])
+
+
 # A negative quiet NaN with a payload, as raw bits per dtype: bytes that neither a rotation (by any angle, zero
 # included) nor a round trip through another float dtype gives back.
 _ODD_NAN = {torch.float64: 0xFFF8_0000_0000_0123 - 2 ** 64, torch.float32: 0xFFC0_0123 - 2 ** 32,

@@ -15,9 +15,10 @@ import torch
 
 from . import native
 
-__all__ = ["C_DTYPES", "compact_rows", "dense_rank", "frame_reindex", "stce_rows"]
+__all__ = ["C_DTYPES", "C_MAX_HEAD_DIM", "compact_rows", "dense_rank", "frame_reindex", "stce_rows"]
 
 C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the cache dtype codes of compact_cpu.c
+C_MAX_HEAD_DIM = 1024  # compact_cpu.c's 2·MAX_HALF: the widest row its walk's buffers on the stack hold
 
 _PTR, _I64, _I32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
 # C function -> (library, argument types), in the order of the C signatures; every one returns an int status

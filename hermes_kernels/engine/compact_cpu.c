@@ -31,7 +31,7 @@
 #endif
 
 #define MAX_THREADS 256
-#define MAX_HALF 512
+#define MAX_HALF 512 /* rows of D <= 2·MAX_HALF channels (bindings.C_MAX_HEAD_DIM; wider: the torch ops) */
 #define INLINE static inline __attribute__((always_inline))
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };

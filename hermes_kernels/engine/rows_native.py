@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import bindings, native
-from .bindings import C_DTYPES
+from .bindings import C_DTYPES, C_MAX_HEAD_DIM
 from ..rope import RotaryLayout, rotary_cos_sin
 
 __all__ = ["move_rows_native", "use_native", "native_blocker", "angle_table"]
@@ -22,6 +22,8 @@ def native_blocker(keys: torch.Tensor, values: torch.Tensor) -> str | None:
         return f"the cache is {keys.dtype}, the C kernel takes {', '.join(map(str, C_DTYPES))}"
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         return "a key or value row is not contiguous (stride of the last dim != 1)"
+    if keys.shape[-1] > C_MAX_HEAD_DIM:
+        return f"a head of D={keys.shape[-1]} is wider than the C kernel's rows (D <= {C_MAX_HEAD_DIM})"
     return native.unavailable_reason("compact_cpu")
 
 

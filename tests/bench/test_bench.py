@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Gemma4TextConfig
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from hermes_kernels.policies.hermes import reference
+from hermes_kernels.rope import RotaryLayout
 
 from bench import cli, inputs, report, stages
 from bench.shapes import SHAPES, SMOKE_SHAPES
@@ -83,6 +86,34 @@ def test_synthetic_positions_look_like_a_streamed_cache(shape_name):
         hw = axes[:, :, 1:, P:]
         assert hw.min() == P and hw.max() == P + 13, "h/w come from a 14x14 merged grid offset by P"
     assert not torch.equal(axes[0], axes[1]), "each layer keeps its own positions"
+
+
+def test_the_gemma4_shape_is_transformers_default_config():
+    """The registry's Gemma 4 numbers are transformers' default Gemma4TextConfig, read off the config object: the
+    layers `layer_types` marks full_attention (the ones the policies compress), their heads, KV heads (the global
+    count when attention_k_eq_v is on, else num_key_value_heads: both as the full layers' own config gives them)
+    and head dim (global_head_dim), their RoPE theta and the positions; the rotary values of the shape's inputs are
+    the rotary module's `full_attention_inv_freq`, bit for bit, over a plain 1D layout of all D/2 pairs."""
+    config = Gemma4TextConfig()
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    layer = config.per_layer_config[full[0]]
+    assert all(config.per_layer_config[i].head_dim == layer.head_dim for i in full)
+    kv_heads = layer.num_key_value_heads
+    if not config.attention_k_eq_v:  # the full layers keep the model's own KV head count
+        assert kv_heads == config.per_layer_config[config.layer_types.index("sliding_attention")].num_key_value_heads
+    shape = SHAPES["gemma4"]
+    g = shape.geometry
+    assert (g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim) == (len(full), layer.num_attention_heads,
+                                                                       kv_heads, layer.head_dim) == (5, 8, 4, 512)
+    rope = config.rope_parameters["full_attention"]
+    assert (rope["rope_type"], rope["partial_rotary_factor"], g.rope_theta) == ("proportional", shape.proportional,
+                                                                                rope["rope_theta"])
+    assert g.max_positions == config.max_position_embeddings and g.rotary == RotaryLayout.one_d(g.head_dim // 2)
+    inv_freq = Gemma4TextRotaryEmbedding(config).full_attention_inv_freq
+    assert torch.equal(shape.inv_freq(), inv_freq) and int((inv_freq == 0).sum()) == 192
+    spec = Spec(shape=SMOKE_SHAPES["smoke-proportional"], budget=16, chunk_frames=1, dtype=torch.float32,
+                device=torch.device("cpu"), tokens_per_frame=8)
+    assert int((make_inputs(spec).inv_freq == 0).sum()) == 12  # the inputs carry the shape's proportional values
 
 
 def test_distinct_values_have_no_ties_and_no_zeros():

@@ -155,3 +155,31 @@ def test_report_rows():
 def test_build_cache_refuses_an_unknown_policy():
     with pytest.raises(ValueError, match="policy"):
         stream_memory.build_cache("dense", SHAPES["qwen3.5"], tokens_per_frame=208, chunk_frames=8)
+
+
+def test_window_rows_are_the_rings_a_stream_allocates():
+    """The window formula gives the bytes of the rings a Gemma 4 stream allocates (W - 1 + max(chunk, room) slots per
+    sliding layer that computes its keys; the KV-shared ones hold none), read from the model's config alone."""
+    from hermes.stream import HermesStream
+    from scaffolding.models import tiny_gemma4
+    from scaffolding.tokenizer import tiny_tokenizer
+    model = tiny_gemma4()
+    window = stream_memory.WindowShape.from_config(model.config.text_config)
+    assert (window.layers, window.kv_heads, window.head_dim, window.window) == (3, 2, 16, 24)
+    for chunk_tokens, room in ((40, 16), (12, 30)):
+        stream = HermesStream(model, tiny_tokenizer(digits=True, gemma=True), batch_size=2, chunk_tokens=chunk_tokens,
+                              room=room, budget=100)
+        rings = sum(t.untyped_storage().nbytes() for t in (*stream.cache.windows.keys, *stream.cache.windows.values))
+        assert rings == 2 * window.nbytes(23 + max(chunk_tokens, room), torch.float32)
+
+
+def test_gemma4_numbers_by_hand():
+    """transformers 5.25's default Gemma4TextConfig: 25 sliding layers of 4 KV heads of 256 with a 512-token window,
+    5 full-attention layers of 4 KV heads of 512; 512 s at 1 fps, 64 + 9 tokens a frame: bf16 K+V."""
+    assert stream_memory.WINDOWS["gemma4"] == stream_memory.WindowShape(layers=25, kv_heads=4, head_dim=256,
+                                                                         window=512)
+    sizes = stream_memory.stream_bytes("gemma4", 512, 1.0)
+    assert stream_memory.frame_tokens("gemma4") == 73
+    assert sizes["full"] == 5 * 4 * (14 + 512 * 73) * 2 * 512 * 2
+    assert sizes["window"] == 25 * 4 * 511 * 2 * 256 * 2
+    assert sizes["window_allocated"] == 25 * 4 * (511 + 16 * 73) * 2 * 256 * 2

@@ -222,7 +222,8 @@ MINICPM = Case(name="minicpmv4_6", build=tiny_minicpmv4_6, frames=LLAVA_FRAMES, 
                tokenizer=tiny_minicpm_tokenizer, linear=True)
 
 
-GEMMA4_GRID = (4, 4)  # patch columns x rows of an 8 x 8 frame (patch 2): 4 soft tokens, 11 tokens with " mm:ss " and markers
+# patch columns x rows of an 8 x 8 frame (patch 2): 4 soft tokens, 11 tokens with " mm:ss " and the markers
+GEMMA4_GRID = (4, 4)
 
 
 def _gemma4_chunk(batch, g, frames=LLAVA_FRAMES):

@@ -26,7 +26,7 @@ from transformers.utils import is_torchvision_available
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 import hermes.models.processing
-from hermes.models import FAMILIES
+from hermes.models import FAMILIES as MODEL_TYPES
 from scaffolding.checkpoint import save_tiny_checkpoint
 from scaffolding.processors import TINY_QWEN_PIXELS
 from hermes import cli
@@ -428,7 +428,7 @@ def test_help_is_as_written(monkeypatch, capsys):
     text = capsys.readouterr().out
     with open(os.path.join(REPO, "tests", "hermes", "help", "hermes.txt")) as f:
         assert text == f.read()
-    assert all(model_type in text for model_type in FAMILIES), "--model's help names every supported model type"
+    assert all(model_type in text for model_type in MODEL_TYPES), "--model's help names every supported model type"
 
 
 @pytest.fixture(scope="module")

@@ -38,10 +38,11 @@ TARGETS = {"sm_80", "sm_90"}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEADLINE = ("llava-ov-7b", "qwen2.5-vl-7b", "qwen3-vl-8b")
 # rotary layouts the guard compiles at, and their head dims: 1D and contiguous M-RoPE at D = 64 / 128 / 256,
-# interleaved M-RoPE at Qwen3-VL-8B's D = 128 and Qwen3.5's D = 256 (partial rotary: R = 64)
+# interleaved M-RoPE at Qwen3-VL-8B's D = 128 and Qwen3.5's D = 256 (partial rotary: R = 64), 1D at Gemma 4's D = 512
 ROPE_DIMS = {(kind, dim) for kind in ("1d", "sections") for dim in (64, 128, 256)} | {("interleaved", 128),
-                                                                                     ("interleaved", 256)}
+                                                                                     ("interleaved", 256), ("1d", 512)}
 PARTIAL = ("qwen3.5", 256, 64)  # (model, D, R) of the partial-rotary cases
+WIDEST = ("gemma4", 512)  # (model, D) of the widest head: Gemma 4's full-attention layers, 1D over all 256 pairs
 GUARD_TIMEOUT_S = 1200  # a cold run on a loaded 2-core machine; the whole CI must stay under 20 minutes
 
 
@@ -110,6 +111,16 @@ def test_partial_rotary_shares_the_compiles_of_full_rotary(guard):
             assert full_256 & set(row["cases"]), f"{_where(row)}: no full-rotary case at D = 256 makes this compile"
 
 
+def test_every_kernel_compiles_at_the_widest_head(guard):
+    """Gemma 4's D = 512 cases reach every kernel on both targets (within the spill and shared-memory bounds the
+    test above checks): its compiles are made, not assumed from narrower heads'."""
+    for kernel in guard["kernels"]:
+        name = kernel.rsplit(".", 1)[1]
+        targets = {row["target"] for row in guard["rows"] if row["kernel"] == name
+                   and any(case.startswith(WIDEST[0] + " ") for case in row["cases"])}
+        assert targets == TARGETS, f"{name}: no {WIDEST[0]} (D = {WIDEST[1]}) compile on {TARGETS - targets}"
+
+
 # the approximate instructions a kernel's PTX may hold, by opcode family (docs/gpu.md#rounding): ex2.approx in the
 # softmax of the pooled attention and in the scores' recency; every division and root is correctly rounded (the
 # scores and frame features decide keep sets and STCE evictions: they divide with hermes_kernels.engine.rounding.div_rn)
@@ -136,6 +147,10 @@ def test_cases_cover_dtypes_rope_head_dims_and_the_7b_budgets():
     assert {(c.label.split()[0], c.geometry.head_dim, c.rotary.rotary_dim) for c in partial} == {PARTIAL}
     assert {(c.dtype, c.reindex) for c in partial} == {(d, r) for d in DTYPES for r in ("lazy", "eager")}
     assert all(c.rotary == RotaryLayout.interleaved((11, 11, 10)) and c.inv_freq().shape == (32,) for c in partial)
+    widest = [c for c in cases if c.label.startswith(WIDEST[0] + " ")]
+    assert {(c.dtype, c.reindex) for c in widest} == {(d, r) for d in DTYPES for r in ("lazy", "eager")}
+    assert all(c.geometry.head_dim == WIDEST[1] and c.rotary == RotaryLayout.one_d(WIDEST[1] // 2)
+               and c.inv_freq().shape == (WIDEST[1] // 2,) for c in widest)
     for model in HEADLINE:
         at = {(c.cfg.budget, c.reindex) for c in cases if c.label.startswith(model + " ")}
         assert at >= {(b, r) for b in (4000, 6000) for r in ("eager", "lazy", "given")}, model
@@ -156,6 +171,9 @@ def test_h2svc_cases_cover_dtypes_rope_head_dims_chunks_reindex_and_streams():
     assert {(c.label.split()[0], c.geometry.head_dim, c.rotary.rotary_dim) for c in partial} == {PARTIAL}
     assert {(c.dtype, c.reindexing) for c in partial} == {(d, r) for d in DTYPES for r in (False, True)}
     assert all(c.inv_freq().shape == (32,) for c in partial)  # [R/2]
+    widest = [c for c in cases if c.label.startswith(WIDEST[0] + " ")]
+    assert {(c.dtype, c.reindexing) for c in widest} == {(d, r) for d in DTYPES for r in (False, True)}
+    assert all(c.geometry.head_dim == WIDEST[1] and c.inv_freq().shape == (WIDEST[1] // 2,) for c in widest)
     # the default (depth-order) head map: every class has rows, so every block kind is driven
     assert all(not c.cfg.profiled and c.classes == (INSTANT, SHORT, EPISODIC) for c in cases)
     assert guard_module.spec_cases(policies=["hermes"]) == [c for c in guard_module.spec_cases()

@@ -1,8 +1,10 @@
 """hermes_kernels.rope: the rotary layouts (which axis turns each frequency pair) and delta rotations agree with
 transformers' own rotary modules (Qwen2.5-VL's contiguous sections, Qwen3-VL's interleaved ones, Qwen3.5's partial
-rotary) and compose; a partial rotation leaves the head's other channels bit for bit; compaction ranks per axis."""
+rotary, Gemma 4's proportional RoPE as plain 1D) and compose; a partial rotation leaves the head's other channels bit
+for bit, and so does a zero frequency; compaction ranks per axis."""
 import pytest
 import torch
+from transformers.models.gemma4 import configuration_gemma4, modeling_gemma4
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl, modeling_qwen2_5_vl
 from transformers.models.qwen3_5 import configuration_qwen3_5, modeling_qwen3_5
@@ -10,7 +12,8 @@ from transformers.models.qwen3_vl import configuration_qwen3_vl, modeling_qwen3_
 
 from hermes_kernels.engine.checks import check_rotary
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta, compact_positions, rotary_angles, rotary_cos_sin
-from tests.utils import assert_close_verbose, inv_freq_for
+from scaffolding.rotary import proportional_inv_freq
+from tests.utils import assert_close_verbose, frozen_channels, inv_freq_for
 
 # M-RoPE family -> (its text config, its rotary module, the layout we read its mrope_section as)
 HF_MROPE = {
@@ -267,6 +270,43 @@ def test_partial_rotation_composes(dtype):
     assert_close_verbose(two_steps, apply_rotary_delta(x, p + d, inv_freq, layout), atol * 30, rtol * 30,
                          "R(d)R(p)x vs R(p+d)x, partial")
     assert torch.equal(two_steps[..., 64:], x[..., 64:])
+
+
+def gemma4_rotary(head_dim: int) -> torch.nn.Module:
+    """Gemma 4's rotary module from transformers' default Gemma4TextConfig, its full-attention layers at
+    global_head_dim = `head_dim` (proportional RoPE, partial_rotary_factor 0.25, theta 1e6)."""
+    return modeling_gemma4.Gemma4TextRotaryEmbedding(configuration_gemma4.Gemma4TextConfig(global_head_dim=head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [512, 256])
+def test_proportional_inv_freq_is_gemma4s(head_dim):
+    """The tests' proportional inv_freq [D/2] is the one Gemma 4's rotary module builds for its full-attention
+    layers, bit for bit: int(0.25·D/2) non-zero frequencies, then exact zeros."""
+    inv_freq = gemma4_rotary(head_dim).full_attention_inv_freq
+    ours = proportional_inv_freq(head_dim)
+    assert ours.shape == (head_dim // 2,) and ours.dtype == torch.float32
+    assert torch.equal(ours, inv_freq)
+    turning = head_dim // 8
+    assert (ours[:turning] > 0).all() and torch.equal(ours[turning:], torch.zeros(head_dim // 2 - turning))
+
+
+@pytest.mark.parametrize("head_dim", [512, 256])
+def test_proportional_rotation_matches_transformers_gemma4(head_dim):
+    """Gemma 4's RoPE of x at true positions (its module's cos/sin, its apply_rotary_pos_emb: rotate-half over all D
+    channels) = ours from 0 as plain 1D RoPE with the module's own inv_freq (rotary=None, no layout of its own); the
+    channels of the zero-frequency pairs come back bit for bit from both."""
+    g = torch.Generator().manual_seed(14)
+    rotary = gemma4_rotary(head_dim)
+    x = torch.randn(1, 13, 2, head_dim, generator=g, dtype=torch.float64)  # [B, T, H, D], Gemma 4's own layout
+    positions = torch.randint(0, 500, (13,), generator=g)
+    cos, sin = rotary(x, positions[None], "full_attention")
+    want = modeling_gemma4.apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)
+    ours = apply_rotary_delta(x.transpose(1, 2), positions, rotary.full_attention_inv_freq).transpose(1, 2)
+    # the module's angles are fp32, ours fp64 (as in test_matches_transformers_mrope)
+    assert_close_verbose(ours, want, 2e-4, 2e-4, "Gemma 4 proportional RoPE")
+    frozen = frozen_channels(rotary.full_attention_inv_freq)
+    assert int(frozen.sum()) == 2 * (head_dim // 2 - head_dim // 8)
+    assert torch.equal(ours[..., frozen], x[..., frozen]) and torch.equal(want[..., frozen], x[..., frozen])
 
 
 def test_layout_rotary_dim_and_partial_descriptions():

@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from hermes_kernels.compat import accelerate
+from scaffolding.rotary import proportional_inv_freq
 from scaffolding.standin import (LayeredDynamicCache, LegacyDynamicCache, ReleasedLLaVAOV, ReleasedQwenVL, TinyCausalLM,
                                  TinyLanguageModel, TinyTokenizer, layer_pairs, with_layers)
 
@@ -33,6 +34,10 @@ class Case:
     chunks: int = 6
     kv_size: int = BUDGET
     attention_scaling: float = 1.0               # the rotary module's (YaRN-style rotaries set one other than 1)
+    heads: int = HEADS                           # query heads; the hidden size is heads · head_dim (the released
+    kv_heads: int = KV_HEADS                     # guidance pass reads head_dim as hidden_size // heads)
+    head_dim: int = HEAD_DIM
+    proportional: bool = False                   # the rotary module's inv_freq is Gemma 4's (most pairs at frequency 0)
 
     @property
     def max_positions(self) -> int:
@@ -43,8 +48,9 @@ def make_instance(case: Case, container="list", fast: bool = False):
     """A stand-in instance with its own tiny language model (weights from case.seed) and the prefix cache in
     `container` (a name of CONTAINERS, or a callable taking the list of (keys, values) pairs)."""
     impl = case.fast_attn_implementation if fast and case.fast_attn_implementation else case.attn_implementation
-    common = dict(num_layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden=HEADS * HEAD_DIM,
-                  max_positions=case.max_positions, attn_implementation=impl, seed=case.seed)
+    common = dict(num_layers=LAYERS, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,
+                  hidden=case.heads * case.head_dim, max_positions=case.max_positions, attn_implementation=impl,
+                  seed=case.seed)
     if case.kind == "llava_ov":
         model = ReleasedLLaVAOV(TinyCausalLM(**common), TinyTokenizer(), case.kv_size, streaming=case.streaming)
     else:
@@ -52,9 +58,12 @@ def make_instance(case: Case, container="list", fast: bool = False):
                                streaming=case.streaming)
         model.softmax_dtype = torch.float32  # exact pooled attention; the fp16 softmax is tested on its own
     model._rotary().attention_scaling = case.attention_scaling
+    if case.proportional:
+        model._rotary().inv_freq.copy_(proportional_inv_freq(case.head_dim))
     gen = torch.Generator().manual_seed(1000 + case.seed)
-    keys = [torch.randn(1, KV_HEADS, PREFIX, HEAD_DIM, generator=gen).to(case.dtype) for _ in range(LAYERS)]
-    values = [torch.randn(1, KV_HEADS, PREFIX, HEAD_DIM, generator=gen).to(case.dtype) for _ in range(LAYERS)]
+    shape = (1, case.kv_heads, PREFIX, case.head_dim)
+    keys = [torch.randn(*shape, generator=gen).to(case.dtype) for _ in range(LAYERS)]
+    values = [torch.randn(*shape, generator=gen).to(case.dtype) for _ in range(LAYERS)]
     model.start(keys, values, CONTAINERS.get(container, container) if isinstance(container, str) else container)
     return model
 
@@ -62,8 +71,9 @@ def make_instance(case: Case, container="list", fast: bool = False):
 def random_chunks(case: Case):
     gen = torch.Generator().manual_seed(2000 + case.seed)
     for _ in range(case.chunks):
-        yield ([torch.randn(1, KV_HEADS, CHUNK, HEAD_DIM, generator=gen).to(case.dtype) for _ in range(LAYERS)],
-               [torch.randn(1, KV_HEADS, CHUNK, HEAD_DIM, generator=gen).to(case.dtype) for _ in range(LAYERS)])
+        shape = (1, case.kv_heads, CHUNK, case.head_dim)
+        yield ([torch.randn(*shape, generator=gen).to(case.dtype) for _ in range(LAYERS)],
+               [torch.randn(*shape, generator=gen).to(case.dtype) for _ in range(LAYERS)])
 
 
 def record_keeps(model) -> list:

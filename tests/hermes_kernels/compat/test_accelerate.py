@@ -54,6 +54,18 @@ def test_a_stream_matches_the_released_step(kind, streaming, dtype, container, s
         assert all(ref.reindexes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemma4_s_head_width_and_proportional_rope_match_the_released_step(dtype):
+    """Heads of Gemma 4's full-attention width (D 512) whose rotary module holds its proportional inv_freq (the
+    first 64 of 256 pairs turn, the others have frequency 0), two query heads over one KV head: three chunks through
+    the released-style step and through the accelerated instance give the same keep indices, lengths and positions,
+    keys and values within tolerance, lazy re-indexing firing in a step."""
+    case = Case("llava_ov", dtype, True, "list", chunks=3, heads=2, kv_heads=1, head_dim=512, proportional=True)
+    ref, fast, handle, keeps, _ = drive(case, lockstep=dtype == torch.float16)
+    assert read_layers(fast.kv_cache)[0][0][0].shape[-1] == 512 and len(keeps) == 2
+    assert any(ref.reindexes)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_eager_attention_takes_the_propagated_guidance(kind):
     """With attn_implementation="eager" the released code runs the model with output_attentions=True (hidden states

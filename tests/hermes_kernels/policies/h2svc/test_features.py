@@ -27,6 +27,10 @@ CASES = [
     (1, 2, 5, 196, 64, F16, "view"),
     (2, 2, 3, 33, 24, F64, "contiguous"),
     (4, 1, 2, 5, 128, F32, "view"),
+    # Gemma 4's widths: its full-attention layers' D 512 (several channel blocks per frame) and D 256
+    (2, 1, 2, 9, 512, BF16, "view"),
+    (1, 2, 3, 5, 512, F32, "contiguous"),
+    (1, 1, 2, 7, 256, F16, "view"),
 ]
 
 

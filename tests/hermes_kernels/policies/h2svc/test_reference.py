@@ -4,7 +4,8 @@
 Routing (§2): TAD values on synthetic attention maps, GQA averaging, min-max normalisation, class counts and
 ties. STCE (§3): curvature by hand, straight line with a sharp turn, zero velocity, endpoints, ties, chunk =
 single arrivals, O(1) update = recompute from scratch. FIFO, the slot plan and the right-aligned re-index (§4)
-with keys checked against transformers' own RoPE. Bad inputs raise before anything is written.
+with keys checked against transformers' own RoPE (Gemma 4's proportional RoPE at D 512 included). Bad inputs raise
+before anything is written.
 """
 import dataclasses
 import math
@@ -12,13 +13,14 @@ import zlib
 
 import pytest
 import torch
+from transformers.models.gemma4 import modeling_gemma4
 
 from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT, H2SVCConfig, default_head_map
 from hermes_kernels import StreamClock
 from hermes_kernels.policies.h2svc import reference as ref
 from hermes_kernels.rope import RotaryLayout
-from tests.hermes_kernels.test_rope import hf_rotate, hf_rotate_mrope
-from tests.utils import INTERLEAVED, assert_close_verbose, inv_freq_for, same_bytes
+from tests.hermes_kernels.test_rope import gemma4_rotary, hf_rotate, hf_rotate_mrope
+from tests.utils import INTERLEAVED, assert_close_verbose, frozen_channels, inv_freq_for, same_bytes
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -661,6 +663,52 @@ def test_reindex_mrope_by_hand(section):
                                     [0, 17, 18, 17, 18, 17, 18]]]]
     assert_close_verbose(keys, rotate_like_the_model(raw, positions, inv_freq_for(D), section, 1e6), 2e-4, 2e-4,
                          "keys")
+
+
+def gemma4_rope(raw: torch.Tensor, positions: torch.Tensor, rotary: torch.nn.Module) -> torch.Tensor:
+    """Gemma 4's own RoPE of raw [H_c, B, C, D] at positions int64 [H_c, B, C]: its full-attention rotary module's
+    cos / sin and its apply_rotary_pos_emb (rotate-half over all D channels), in raw's dtype."""
+    out = torch.empty_like(raw)
+    for r in range(raw.shape[0]):
+        for b in range(raw.shape[1]):
+            x = raw[r, b][None, :, None]  # [1, C, 1, D]: Gemma 4's [B, T, H, D]
+            cos, sin = rotary(x, positions[r, b][None], "full_attention")
+            out[r, b] = modeling_gemma4.apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [SHORT, EPISODIC])
+def test_reindexed_keys_are_gemma4s_rope_at_the_new_positions(cls, dtype):
+    """Gemma 4's full-attention layers (D 512, proportional RoPE, taken as plain 1D with the rotary module's own
+    inv_freq): keys made by Gemma 4's RoPE at their positions, stepped with re-indexing, are Gemma 4's RoPE of the
+    raw keys at the new positions, and in the zero-frequency channels the raw keys themselves, bit for bit."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((cls, dtype)).encode()))
+    P, T_f, D, H_c, B, first, held, F = 2, 3, 512, 2, 1, 20, 5, 3
+    cfg = small_cfg(P=P, T_f=T_f, W=(3, 6, 6), reindex="eager")
+    rotary = gemma4_rotary(D)
+    block = make_block(cfg, cls, H_c, B, D, held, F, first, dtype, g)
+    keys = gemma4_rope(block["raw"], block["positions"], rotary).to(dtype)
+    positions, slot_frames = block["positions"], block["slot_frames"]
+    held_after = min(cfg.window(cls), held + F)
+    R = P + held_after * T_f + 7
+    result = ref.h2svc_step(keys, block["values"], positions, slot_frames, cfg, cls, rotary.full_attention_inv_freq,
+                            clock=StreamClock(held=held, num_frames=F, first_frame=first,
+                                              reindexed=torch.tensor(True), next_position=R),
+                            features=block["features"])
+    assert result.held == held_after
+    frozen = frozen_channels(rotary.full_attention_inv_freq)
+    for r in range(H_c):
+        for b in range(B):
+            before = block["frame_in_slot"][r, b].tolist()
+            source = [before.index(frame) for frame in slot_frames[r, b, :held_after].tolist()]
+            raw = torch.cat([block["raw"][r, b, P + s * T_f:P + (s + 1) * T_f] for s in source])
+            retained = positions[r, b, P:P + held_after * T_f]
+            want = gemma4_rope(raw[None, None], retained[None, None], rotary)[0, 0].to(dtype)
+            got = keys[r, b, P:P + held_after * T_f]
+            atol, rtol = (2e-4, 2e-4) if dtype == torch.float32 else (3e-2, 3e-2)  # bf16: two roundings to it
+            assert_close_verbose(got, want, atol, rtol, f"row {r} stream {b} keys vs Gemma 4's RoPE")
+            assert torch.equal(got[:, frozen], raw[:, frozen].to(dtype)), "a zero-frequency channel changed"
 
 
 def test_every_row_ends_at_the_shared_next_position():

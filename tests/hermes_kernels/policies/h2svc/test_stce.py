@@ -58,6 +58,8 @@ CASES = [Case(F, memory, D, dtype, H=1 if F == 16 else 2)
                         (4, ((64, F16), (128, F32), (16, BF16))),
                         (16, ((128, BF16), (16, F16), (64, F32))))
          for memory, (D, dtype) in zip(("empty", "partial", "full"), row)]
+# Gemma 4's widths (its full-attention layers' D 512, and 256): the features' Gram matrix over wide rows
+CASES += [Case(4, "full", 512, BF16), Case(4, "partial", 512, F32, B=1), Case(1, "full", 256, F16)]
 
 
 def draw(case: Case, seed: int):

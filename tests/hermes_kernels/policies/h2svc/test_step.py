@@ -9,6 +9,8 @@ positions (exactly), values (bit-exact copies), keys (bit-exact without re-index
 the compaction tests with it), features. Before that, a first reference run tells which held frames the step
 evicts; their slots' K/V are poisoned with NaN in both copies, so a destination the kernel forgets to write shows.
 EPISODIC draws are tie-free (the reference trace's margins). Caches are contiguous or views of NaN-tailed buffers.
+Gemma 4's full-attention layers (D 512, proportional RoPE: 1D over every pair, most of them at frequency 0) are in
+the grid, and a re-index leaves their zero-frequency channels bit for bit on every backend.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ from hermes_kernels.policies.h2svc import reference as ref
 from hermes_kernels.rope import RotaryLayout, apply_rotary_delta
 from hermes_kernels.engine.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
-from tests.utils import INTERLEAVED, PARTIAL, QWEN3_5_ROTARY, TOL, assert_close_verbose, inv_freq_for, inv_freq_of
+from scaffolding.rotary import proportional_inv_freq
+from tests.utils import INTERLEAVED, PARTIAL, QWEN3_5_ROTARY, TOL, assert_close_verbose, frozen_channels, inv_freq_for
+from tests.utils import inv_freq_of
 from tests.utils import poison_tail_, require_c_library, rotary_width, same_bytes
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
@@ -43,7 +47,17 @@ POSITION_POISON = -(2 ** 40)
 ROPES = {"1d": (16, None), "mrope": (16, (2, 3, 3)), "mrope128": (128, (16, 24, 24)), "1d-d8": (8, None),
          "mrope-d12": (12, (2, 2, 2)), "il": (16, INTERLEAVED[16]), "il128": (128, INTERLEAVED[128]),
          "il-d12": (12, INTERLEAVED[12]), "il-d8": (8, INTERLEAVED[8]), "1d128": (128, None),
-         "il-r8": PARTIAL["il"], "1d-r8": PARTIAL["1d"], "il256-r64": (256, QWEN3_5_ROTARY)}
+         "il-r8": PARTIAL["il"], "1d-r8": PARTIAL["1d"], "il256-r64": (256, QWEN3_5_ROTARY),
+         "1d512-p": (512, None), "1d256-p": (256, None), "1d32-p": (32, None)}
+# the ROPES whose keys carry proportional RoPE (Gemma 4's full-attention layers: D 512; its inv_freq turns the first
+# D/8 pairs, the other pairs have frequency 0) instead of default RoPE
+PROPORTIONAL = {"1d512-p", "1d256-p", "1d32-p"}
+
+
+def rope_inv_freq(rope: str, device="cpu") -> torch.Tensor:
+    """The inv_freq [R/2] of a ROPES entry: default RoPE's, or proportional RoPE's [D/2]."""
+    D, section = ROPES[rope]
+    return proportional_inv_freq(D, device=device) if rope in PROPORTIONAL else inv_freq_of(D, section, device=device)
 # 2 layers x 3 KV heads: 1 instant, 2 short, 3 episodic rows (default depth map); windows 2 / 3 / 4 frames
 CONFIG = dict(num_layers=2, num_kv_heads=3, prefix_len=3, tokens_per_frame=4, instant_frames=2, short_frames=3,
               episodic_frames=4)
@@ -106,6 +120,11 @@ CASES = [
     Case(SHORT, 2, 5, "1d-r8", True, F32, "contiguous"),
     Case(INSTANT, 2, 5, "il-r8", True, F32, "contiguous"),
     Case(INSTANT, 1, 1, "1d-r8", False, BF16, "view"),
+    # Gemma 4's full-attention layers (D 512) and D 256, proportional RoPE: every class, re-indexing on and off
+    Case(EPISODIC, 4, 3, "1d512-p", True, BF16, "view"),
+    Case(SHORT, 3, 2, "1d512-p", False, F32, "contiguous"),
+    Case(INSTANT, 2, 5, "1d512-p", True, F16, "contiguous", B=1),
+    Case(SHORT, 2, 2, "1d256-p", True, F64, "view", B=1),
 ]
 
 
@@ -187,7 +206,7 @@ def make_block(cfg: H2SVCConfig, case: Case, seed: int) -> Block:
     next_position = incoming + F * T
     if case.reindex:  # any shared next position >= P + held'·T works; this one re-numbers most tokens
         next_position = P + min(W, held + F) * T + int(torch.randint(0, 6, (), generator=g))
-    inv_freq = inv_freq_of(D, section)
+    inv_freq = rope_inv_freq(case.rope)
     raw = torch.randn(H, B, C, D, generator=g).to(F64 if case.dtype == F64 else F32)
     pos = positions if mrope else positions[:, :, 0]
     keys = poison_tail_(apply_rotary_delta(raw, pos.clamp(min=0), inv_freq, section).to(case.dtype),
@@ -214,7 +233,7 @@ def make_block(cfg: H2SVCConfig, case: Case, seed: int) -> Block:
 def step_args(cfg: H2SVCConfig, case: Case, block: Block) -> tuple[tuple, dict]:
     D, section = ROPES[case.rope]
     args = (block.keys, block.values, block.positions, block.slot_frames, cfg, case.cls,
-            inv_freq_of(D, section, device=DEVICE), section)
+            rope_inv_freq(case.rope, device=DEVICE), section)
     clock = StreamClock(held=case.held, num_frames=case.chunk, first_frame=block.first_frame,
                         reindexed=torch.tensor(case.reindex), next_position=block.next_position)
     return args, dict(clock=clock, features=block.features)
@@ -267,7 +286,7 @@ def expected_rope_keys(cfg: H2SVCConfig, case: Case, block: Block, after: Block,
     tokens = source_tokens(cfg, case, block, after, held_after)
     raw = block.raw.gather(2, tokens.unsqueeze(-1).expand(-1, -1, -1, D))
     new = after.positions[..., P:P + held_after * T].cpu()
-    return apply_rotary_delta(raw, new, inv_freq_of(D, section), section).to(case.dtype)
+    return apply_rotary_delta(raw, new, rope_inv_freq(case.rope), section).to(case.dtype)
 
 
 def run_case(cfg: H2SVCConfig, case: Case, backend: str, seed: int) -> None:
@@ -334,6 +353,31 @@ def run_case(cfg: H2SVCConfig, case: Case, backend: str, seed: int) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_reference(case, backend):
     run_case(config(), case, backend, seed=CASES.index(case))
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS], indirect=True)
+@pytest.mark.parametrize("case", [Case(EPISODIC, 4, 3, "1d512-p", True, F32, "contiguous", B=1),
+                                  Case(SHORT, 3, 2, "1d512-p", True, BF16, "view", B=1),
+                                  Case(INSTANT, 2, 1, "1d256-p", True, F16, "contiguous", B=1)], ids=lambda c: c.id)
+def test_zero_frequencies_leave_their_channels_bit_for_bit(case, backend):
+    """Proportional RoPE (Gemma 4's full-attention layers): a re-indexing step turns every retained key by its
+    delta, on every backend and in the reference; the channels of its zero-frequency pairs are the bytes of its
+    source slot, and every key whose position changed turned in some other channel."""
+    cfg = config()
+    block = tie_free_block(cfg, case, seed=7)
+    before = block.copy()
+    args, kwargs = step_args(cfg, case, block)
+    step = ref.h2svc_step if backend == "reference" else lambda *a, **k: hk.h2svc_step(*a, **k, backend=backend)
+    held = step(*args, **kwargs).held
+    P, T, D = cfg.prefix_len, cfg.tokens_per_frame, block.keys.shape[-1]
+    tokens = source_tokens(cfg, case, before, block, held)  # [H_c, B, held·T]: each retained token's old slot
+    moved = before.keys.cpu().gather(2, tokens.unsqueeze(-1).expand(-1, -1, -1, D))
+    landed = block.keys[:, :, P:P + held * T].cpu()
+    frozen = frozen_channels(rope_inv_freq(case.rope))
+    assert int(frozen.sum()) == 2 * (D // 2 - D // 8)
+    assert same_bytes(landed[..., frozen], moved[..., frozen]), "a zero-frequency channel changed"
+    turned = block.positions[..., P:P + held * T].cpu() != before.positions.cpu().gather(-1, tokens)
+    assert turned.any() and (landed[turned][:, ~frozen] != moved[turned][:, ~frozen]).any(dim=-1).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

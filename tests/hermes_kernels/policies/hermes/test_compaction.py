@@ -6,6 +6,8 @@ re-index flag, positions equal in the first `length` slots, kept values bit-equa
 is re-indexed (a zero delta is an exact identity) and within the dtype's tolerance otherwise, summary tokens within
 tolerance, slots from `length` on untouched, the same storage, and nothing written past N of a larger buffer.
 Scratch memory of both backends is poisoned (NaN / int minimum / True) so a read of an unwritten word shows up.
+Gemma 4's full-attention layers (D 512, proportional RoPE: 1D over every pair, most of them at frequency 0) are in
+the grid, and a re-index leaves their zero-frequency channels bit for bit on every backend.
 """
 from __future__ import annotations
 
@@ -23,14 +25,16 @@ from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import RotaryLayout, rotary_cos_sin
 from hermes_kernels.engine.launch import launch_count
 from tests.utils import DEVICE, TORCH_OPS
+from scaffolding.rotary import proportional_inv_freq
 from tests.utils import (INTERLEAVED, PARTIAL, QWEN3_5_ROTARY, TOL, assert_close_verbose, assert_tails_equal,
-                         distinct_attention, inv_freq_for, inv_freq_of, poison_tail_, require_c_library, rope_id,
-                         rotary_width, same_bytes, synthetic_positions)
+                         distinct_attention, frozen_channels, inv_freq_for, inv_freq_of, poison_tail_,
+                         require_c_library, rope_id, rotary_width, same_bytes, synthetic_positions)
 
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 SPARE = 5  # buffer slots past N in "view" layouts, poisoned and checked untouched
 POSITION_POISON = -(2 ** 40)
+PROPORTIONAL = "proportional"  # Case.inv_freq: Gemma 4's proportional RoPE (scaffolding.rotary)
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,13 @@ class Case:
     mode: str  # "eager", "lazy-below" (positions far from the limit), "lazy-above" (past max_positions - margin)
     summary: bool
     layout: str  # "view": buffer[..., :N, :] of a larger poisoned buffer; "contiguous"
+    inv_freq: str = "default"  # "default": default RoPE over R; PROPORTIONAL: 1D over D/2 pairs, most at frequency 0
 
     @property
     def id(self) -> str:
+        rope = rope_id(self.section, self.D) + ("-prop" if self.inv_freq == PROPORTIONAL else "")
         return (f"{self.preset}-L{self.L}B{self.B}Hkv{self.Hkv}D{self.D}P{self.P}V{self.V}b{self.budget}-"
-                f"{str(self.dtype)[6:]}-{rope_id(self.section, self.D)}-{self.mode}-s{int(self.summary)}-{self.layout}")
+                f"{str(self.dtype)[6:]}-{rope}-{self.mode}-s{int(self.summary)}-{self.layout}")
 
     @property
     def mrope(self) -> bool:
@@ -103,6 +109,13 @@ CASES = [
     Case("qwen3_vl", 4, 1, 3, 32, 3, 26, 26, F64, PARTIAL["il"][1], "eager", True, "contiguous"),
     Case("llava_ov", 4, 2, 2, 16, 3, 31, 12, BF16, PARTIAL["1d"][1], "eager", True, "view"),
     Case("llava_ov", 4, 1, 1, 16, 0, 21, 30, F32, PARTIAL["1d"][1], "lazy-above", False, "contiguous"),
+    # Gemma 4's full-attention layers: D 512 (and 256), 1D RoPE over all D/2 pairs, proportional inv_freq (the first
+    # D/8 pairs turn, the others have frequency 0)
+    Case("llava_ov", 3, 1, 2, 512, 3, 13, 6, BF16, None, "eager", True, "view", PROPORTIONAL),
+    Case("llava_ov", 2, 2, 1, 512, 0, 11, 5, F32, None, "lazy-above", True, "contiguous", PROPORTIONAL),
+    Case("paper", 3, 1, 1, 512, 14, 10, 4, F16, None, "lazy-below", True, "view", PROPORTIONAL),
+    Case("llava_ov", 2, 1, 1, 512, 2, 9, 9, F64, None, "eager", True, "contiguous", PROPORTIONAL),
+    Case("llava_ov", 3, 2, 1, 256, 3, 15, 6, F16, None, "eager", True, "contiguous", PROPORTIONAL),
 ]
 
 
@@ -155,7 +168,8 @@ def setup_case(case: Case, seed: int, positions: torch.Tensor | None = None, cfg
     keys, values, positions, buffers = make_cache(case, g, positions)
     attn = distinct_attention(case.L, case.B, case.V, g, device=DEVICE)
     keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)
-    inv_freq = inv_freq_of(case.D, case.section, device=DEVICE)
+    inv_freq = (proportional_inv_freq(case.D, device=DEVICE) if case.inv_freq == PROPORTIONAL
+                else inv_freq_of(case.D, case.section, device=DEVICE))
     if case.R < case.D:
         poison_tail_(keys, case.R, carried_rows(case, keep))
     return cfg, keys, values, positions, buffers, attn, keep, inv_freq, case.section
@@ -261,6 +275,31 @@ def run_case(case: Case, backend: str, seed: int, positions: torch.Tensor | None
 def test_matches_reference(case, backend):
     compacted = run_case(case, backend, seed=CASES.index(case))
     assert compacted == (case.mode != "lazy-below")
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS], indirect=True)
+@pytest.mark.parametrize("D, dtype", [(512, BF16), (512, F32), (256, F16)], ids=str)
+def test_zero_frequencies_leave_their_channels_bit_for_bit(D, dtype, backend):
+    """Proportional RoPE (Gemma 4's full-attention layers): an eager re-index turns every kept key by its delta, on
+    every backend and in the reference; the channels of its zero-frequency pairs, [D/8, D/2) and [5D/8, D), are the
+    bytes of its source slot, and every key whose position changed turned in some other channel."""
+    case = Case("llava_ov", 3, 2, 2, D, 3, 17, 7, dtype, None, "eager", True, "view", PROPORTIONAL)
+    cfg, keys, values, positions, _, _, keep, inv_freq, _ = setup_case(case, seed=90)
+    before, old = keys.clone(), positions.clone()
+    if backend == "reference":
+        ref.compact(keys, values, positions, keep, cfg, inv_freq)
+    else:
+        hk.compact(keys, values, positions, keep, cfg, inv_freq, backend=backend)
+    P, n = case.P, keep.shape[-1]
+    source = (P + keep.clamp(min=0)).cpu()  # [L, B, n]: the slot each kept token came from
+    rows = (keep >= 0).cpu().unsqueeze(2).expand(-1, -1, case.Hkv, -1)  # [L, B, Hkv, n]
+    moved = gather_bytes(before.cpu(), 3, source.view(case.L, case.B, 1, n, 1).expand(-1, -1, case.Hkv, -1, D))
+    landed = keys[..., P:P + n, :].cpu()
+    frozen = frozen_channels(inv_freq)
+    assert int(frozen.sum()) == 2 * (D // 2 - D // 8)
+    assert same_bytes(landed[rows][:, frozen], moved[rows][:, frozen]), "a zero-frequency channel changed"
+    turned = rows & (positions[..., P:P + n].cpu() != old.cpu().gather(2, source)).unsqueeze(2)
+    assert turned.any() and (landed[turned][:, ~frozen] != moved[turned][:, ~frozen]).any(dim=-1).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -524,6 +563,9 @@ NATIVE_CASES = [
     Case("qwen3_vl", 3, 2, 2, 256, 3, 37, 12, BF16, QWEN3_5_ROTARY, "eager", True, "contiguous"),
     Case("qwen3_vl", 3, 1, 2, 256, 14, 29, 11, F32, QWEN3_5_ROTARY, "lazy-above", True, "view"),
     Case("llava_ov", 4, 2, 1, 16, 0, 27, 9, BF16, PARTIAL["1d"][1], "lazy-below", True, "contiguous"),
+    # Gemma 4's full-attention layers: D 512, 1D over 256 pairs, 192 of them at frequency 0
+    Case("llava_ov", 3, 2, 2, 512, 3, 21, 8, BF16, None, "eager", True, "view", PROPORTIONAL),
+    Case("llava_ov", 2, 1, 2, 512, 14, 17, 9, F32, None, "lazy-above", True, "contiguous", PROPORTIONAL),
 ]
 
 
@@ -610,6 +652,27 @@ def test_rows_not_contiguous_in_either_tensor_take_the_torch_ops(strided, monkey
     monkeypatch.setattr(rows_native, "move_rows_native", refuse)
     compacts_like_the_reference(case, cfg, keys, values, positions, None, keep, inv_freq, section, lambda: (
         compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section)))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C row kernel moves CPU tensors only")
+def test_heads_wider_than_the_c_walk_take_the_torch_ops(monkeypatch):
+    """The C walk holds a row of at most `C_MAX_HEAD_DIM` channels: a head of that width runs in C, a wider one
+    (proportional RoPE at D = 1032) goes to the torch-ops mover instead of failing in the C call, and `native=True`
+    names the reason; both match the reference."""
+    require_c_library("compact_cpu")
+    widest = bindings.C_MAX_HEAD_DIM
+    case = Case("llava_ov", 2, 1, 1, widest, 3, 9, 4, F32, None, "eager", True, "contiguous", PROPORTIONAL)
+    with monkeypatch.context() as patch:
+        patch.setattr(rows_torch, "move_rows_torch", refuse)
+        run_case(case, "torch", seed=75)
+    case = Case("llava_ov", 2, 1, 1, widest + 8, 3, 9, 4, BF16, None, "eager", True, "contiguous", PROPORTIONAL)
+    cfg, keys, values, positions, _, _, keep, inv_freq, section = setup_case(case, seed=75)
+    with pytest.raises(RuntimeError, match=rf"^native: the C row kernel cannot run: a head of D={widest + 8} is "
+                                           rf"wider than the C kernel's rows \(D <= {widest}\)$"):
+        compact_module.compact_torch(keys, values, positions, keep, cfg, inv_freq, section, native=True)
+    monkeypatch.setattr(rows_native, "move_rows_native", refuse)
+    compacts_like_the_reference(case, cfg, keys, values, positions, None, keep, inv_freq, section, lambda: (
+        hk.compact(keys, values, positions, keep, cfg, inv_freq, section, backend="torch")))
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

@@ -1,5 +1,6 @@
 """The whole step: hermes_kernels.compress_step on both backends against
-hermes_kernels.policies.hermes.reference.compress_step."""
+hermes_kernels.policies.hermes.reference.compress_step, Gemma 4's full-attention layers (D 512, proportional RoPE)
+among the cases."""
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from tests.utils import DEVICE, TORCH_OPS
 from tests.utils import INTERLEAVED, PARTIAL, TOL, assert_close_verbose, assert_tails_equal, distinct_attention
 from tests.utils import inv_freq_for, inv_freq_of, poison_tail_, rope_id, rotary_width, synthetic_positions
 from hermes_kernels.rope import RotaryLayout
+from scaffolding.rotary import proportional_inv_freq
 
 BACKENDS = ["torch", TORCH_OPS, "triton"]
 
@@ -33,12 +35,24 @@ CASES = [
     (5, 1, 2, 16, 14, 33, 13, torch.bfloat16, PARTIAL["1d"][1], "lazy", True, True, "llava_ov"),
     (4, 2, 1, 32, 0, 27, 27, torch.float16, PARTIAL["il"][1], "eager", False, True, "qwen3_vl"),
 ]
+# Gemma 4's full-attention layers (`run_case(..., proportional=True)`): D 512 (and 256), 1D RoPE over all D/2 pairs
+# with a proportional inv_freq (the first D/8 pairs turn, the others have frequency 0); its preset
+PROPORTIONAL_CASES = [
+    (3, 2, 2, 512, 3, 17, 7, torch.bfloat16, None, "lazy", True, True, "gemma4"),
+    (2, 1, 4, 512, 14, 13, 6, torch.float32, None, "eager", True, True, "gemma4"),
+    (3, 1, 1, 256, 0, 15, 15, torch.float16, None, "eager", False, True, "gemma4"),
+]
 
 
-def run_case(case, backend, seed, start=0, max_positions=None):
+def case_id(c) -> str:
+    return (f"L{c[0]}B{c[1]}Hkv{c[2]}D{c[3]}P{c[4]}V{c[5]}b{c[6]}-{str(c[7])[6:]}-{rope_id(c[8], c[3])}-{c[9]}"
+            f"-c{int(c[10])}s{int(c[11])}")
+
+
+def run_case(case, backend, seed, start=0, max_positions=None, proportional=False):
     """One step of `backend` against the reference's on a fresh cache; returns the backend's result. Partial
     rotary: inv_freq [R/2], the tails [R, D) of the rows the step keeps poisoned (−0.0, a NaN with a payload) and
-    compared byte for byte (summary slots: within tolerance)."""
+    compared byte for byte (summary slots: within tolerance). `proportional`: Gemma 4's inv_freq [D/2] (1D)."""
     L, B, Hkv, D, P, V, budget, dtype, section, reindex, cascade, summary, preset = case
     R = rotary_width(D, section)
     mrope = section is not None and RotaryLayout.of(section, R // 2).num_axes == 3
@@ -55,7 +69,7 @@ def run_case(case, backend, seed, start=0, max_positions=None):
     attn = distinct_attention(L, B, V, g)
     keys_buf, values_buf, positions, attn = (t.to(DEVICE) for t in (keys_buf, values_buf, positions, attn))
     keys, values = keys_buf[..., :N, :], values_buf[..., :N, :]
-    inv_freq = inv_freq_of(D, section, device=DEVICE)
+    inv_freq = proportional_inv_freq(D, device=DEVICE) if proportional else inv_freq_of(D, section, device=DEVICE)
     keep = ref.select_keep(ref.hermes_scores(attn, cfg), cfg)  # the rows whose tails are carried
     carried = torch.zeros(L, B, N, dtype=torch.bool, device=DEVICE)
     carried[..., :P] = True
@@ -82,10 +96,18 @@ def run_case(case, backend, seed, start=0, max_positions=None):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}B{c[1]}Hkv{c[2]}D{c[3]}P{c[4]}V{c[5]}b{c[6]}"
-                         f"-{str(c[7])[6:]}-{rope_id(c[8], c[3])}-{c[9]}-c{int(c[10])}s{int(c[11])}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case, backend):
     run_case(case, backend, seed=hash(case[:7]) % 1000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("case", PROPORTIONAL_CASES, ids=case_id)
+def test_proportional_rope_matches_reference(case, backend):
+    """Gemma 4's full-attention layers: the whole step with its proportional inv_freq, lazy re-indexing crossing the
+    limit (decided on the device) or eager."""
+    lazy = dict(start=4 * (case[4] + case[5]), max_positions=4 * (case[4] + case[5])) if case[9] == "lazy" else {}
+    assert bool(run_case(case, backend, seed=PROPORTIONAL_CASES.index(case), proportional=True, **lazy).reindexed)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

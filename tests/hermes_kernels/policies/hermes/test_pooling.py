@@ -44,8 +44,9 @@ class Case:
                 f"-D{self.head_dim}-{dt}" + ("" if self.scale is None else f"-s{self.scale}"))
 
 
-# A covering set: Q=1 / Q>>1 / Q=N; GQA ratio 1, 4, 7; D 40, 48, 64 and 128; N never a power of two; B 1, 2, 3;
-# plain and stacked; every dtype more than once; several query-row blocks (G·Q > 32) and several key tiles (N > 64).
+# A covering set: Q=1 / Q>>1 / Q=N; GQA ratio 1, 2, 4, 7; D 40, 48, 64, 128, 256 and 512; N never a power of two;
+# B 1, 2, 3; plain and stacked; every dtype more than once; several query-row blocks (G·Q > 32) and several key tiles
+# (N > 64).
 CASES = [
     Case((2,), 4, 4, 1, 37, 64, torch.float32),
     Case((1,), 28, 4, 1, 45, 128, torch.float16),
@@ -60,6 +61,12 @@ CASES = [
     # head dims that are no multiple of the kernels' dims per dot (32 fp16/bf16, 16 fp32): a partial last chunk
     Case((2,), 14, 2, 5, 45, 48, torch.float16),
     Case((1,), 8, 2, 9, 70, 40, torch.float32),
+    # Gemma 4's full-attention layers (D 512, 8 heads over 4 KV heads) and its sliding-window width (D 256): many
+    # chunks of dims per dot
+    Case((1,), 8, 4, 3, 37, 512, torch.bfloat16),
+    Case((2, 1), 4, 1, 5, 70, 512, torch.float32),
+    Case((1,), 2, 2, 4, 23, 512, torch.float64),
+    Case((1,), 8, 2, 9, 45, 256, torch.float16),
 ]
 if DEVICE == "cuda":
     # the LLaVA-OV-7B guidance shape (docs/hermes.md §4), all 28 layers in one call

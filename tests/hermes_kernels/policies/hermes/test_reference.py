@@ -7,6 +7,7 @@ import torch
 from hermes_kernels import HermesConfig
 from hermes_kernels.policies.hermes import reference as ref
 from hermes_kernels.rope import apply_rotary_delta
+from scaffolding.rotary import proportional_inv_freq
 from tests.utils import INTERLEAVED, assert_close_verbose, distinct_attention, inv_freq_for, synthetic_positions
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -117,12 +118,14 @@ def test_select_keep_top_in_cache_order_with_deep_budget():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("P", [0, 3])
-def test_summary_is_mean_of_pruned_rotated_to_target(dtype, P):
-    L, B, Hkv, N, D, budget = 4, 2, 2, P + 11, 16, 6
+@pytest.mark.parametrize("D", [16, 512], ids=["D16", "D512-proportional"])
+def test_summary_is_mean_of_pruned_rotated_to_target(dtype, P, D):
+    """D 512: Gemma 4's full-attention layers, proportional RoPE (1D over every pair, most at frequency 0)."""
+    L, B, Hkv, N, budget = 4, 2, 2, P + 11, 6
     cfg = config(budget=budget, P=P, reindex="eager")
     keys, values, positions, attn = make_cache(L, B, Hkv, N, D, P, dtype, seed=7)
     k0, v0, p0 = keys.clone(), values.clone(), positions.clone()
-    inv_freq = inv_freq_for(D)
+    inv_freq = proportional_inv_freq(D) if D == 512 else inv_freq_for(D)
     result = ref.compress_step(keys, values, positions, attn, cfg, inv_freq)
     assert result.length == P + budget and bool(result.reindexed)
     work = torch.float64 if dtype == torch.float64 else torch.float32
