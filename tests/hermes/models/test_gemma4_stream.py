@@ -127,3 +127,32 @@ def test_a_layer_kind_the_family_does_not_know_is_refused_from_the_config(tmp_pa
     (bare / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError, match=r"^layer_types: gemma4 has layers of kind 'chunked_attention'"):
         check_checkpoint(bare)
+
+
+def test_h2svc_evicting_keeps_the_sliding_layers_at_stream_positions():
+    """H2SVC with windows of 1, 2 and 3 frames evicts from the second chunk on, so its length falls behind the
+    stream's; the sliding layers still hold the last W - 1 tokens at stream positions, and the first one (whose input
+    no eviction changes) the keys and values of a stream that never evicts: keys within the float32 angle rounding of
+    turning them twice (2^-24 of each angle, at most the last position times the largest frequency, three angles),
+    values bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    model, tok = tiny_gemma4(dtype=torch.float64), tiny_tokenizer(digits=True, gemma=True)
+    evicting = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, policy="h2svc",
+                            head_map=[[EPISODIC, INSTANT], [SHORT, EPISODIC]], instant_frames=1, short_frames=2,
+                            episodic_frames=3)
+    whole = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, budget=1000)
+    inv_freq = model.model.language_model.rotary_emb.sliding_attention_inv_freq
+    for index in range(5):
+        chunk = dict(GEMMA4.chunk(1, g), timestamps=[2.0 * index, 2.0 * index + 1.0])
+        chunk["video"] = chunk["video"].double()
+        evicting.append_video(**chunk)
+        whole.append_video(**chunk)
+        ours, theirs = evicting.cache.contents(), whole.cache.contents()
+        seen = whole.cache.length
+        for decoder in SLIDING:
+            assert torch.equal(ours[f"sliding layer {decoder} positions"], theirs[f"sliding layer {decoder} positions"])
+        keys = theirs["sliding layer 0 keys"]
+        bound = 3 * 2 ** -24 * seen * float(inv_freq.max()) * float(keys.abs().max()) * 2 ** 0.5
+        torch.testing.assert_close(ours["sliding layer 0 keys"], keys, atol=bound, rtol=0)
+        assert torch.equal(ours["sliding layer 0 values"], theirs["sliding layer 0 values"])
+    assert evicting.cache.length < whole.cache.length  # evicted: the turn was not 0
