@@ -96,13 +96,14 @@ class Forward:
 
 class _LayerView(CacheLayerMixin):
     """Per-layer face of the stacked buffer, so transformers' generic `Cache` properties see the cache's layers:
-    `layer` is the cache's index, `decoder_layer` the model's (they differ in a hybrid model)."""
+    `layer` is the cache's index (None for a sliding-window layer, `_WindowView`), `decoder_layer` the model's (they
+    differ in a hybrid model)."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, cache: "StreamCacheBase", layer: int, decoder_layer: int):
+    def __init__(self, cache: "StreamCacheBase", layer: int | None, decoder_layer: int):
         super().__init__()
         self._cache = weakref.proxy(cache)
         self._layer = layer
@@ -124,9 +125,15 @@ class _LayerView(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self._cache.capacity
 
+    def _window_check(self) -> int:
+        if self._layer is None:
+            raise NotImplementedError(f"{type(self._cache).__name__}: a sliding-window layer's keys live in a ring; "
+                                      "read contents()")
+        return self._layer
+
     @property
     def keys(self) -> torch.Tensor:
-        return self._cache.layer_keys(self._layer)
+        return self._cache.layer_keys(self._window_check())
 
     @keys.setter
     def keys(self, value) -> None:
@@ -136,7 +143,7 @@ class _LayerView(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor:
-        return self._cache.layer_values(self._layer)
+        return self._cache.layer_values(self._window_check())
 
     @values.setter
     def values(self, value) -> None:
@@ -171,34 +178,15 @@ class _LinearView(LinearAttentionCacheLayerMixin):
         return self._cache.length
 
 
-class _WindowView(CacheLayerMixin):
+class _WindowView(_LayerView):
     """A sliding-window layer's face for transformers (`Cache.is_sliding`, `len(cache)`); its ring lives in the
-    cache's `Windows` and is written through the cache's `update`."""
+    cache's `Windows` (read through `contents()`) and is written through the cache's `update`."""
 
-    is_compileable = False
     is_sliding = True
     is_croppable = False
 
     def __init__(self, cache: "StreamCacheBase", decoder_layer: int):
-        super().__init__()
-        self._cache = weakref.proxy(cache)
-        self._decoder_layer = decoder_layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        """Nothing to do: the rings are allocated up front."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self._cache.update(key_states, value_states, self._decoder_layer)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_mask_sizes(query_length)
-
-    def get_seq_length(self) -> int:
-        return self._cache.length
-
-    def get_max_length(self) -> int:
-        return self._cache.capacity
+        super().__init__(cache, None, decoder_layer)
 
 
 def layer_runs(num_layers: int, *, batch_size: int, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,

@@ -243,6 +243,15 @@ class ModelFamily(abc.ABC):
         """Extra keyword arguments a text-only forward/generate of the full model needs."""
         return {}
 
+    def timestamp_tokenizer(self, processor):
+        """The tokenizer a family whose frames carry text timestamps writes them with: `processor.tokenizer`, or
+        `processor` itself; TypeError naming processor when there is none."""
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if tokenizer is None or not callable(tokenizer):
+            raise TypeError(f"processor: {self.name} chunks carry text timestamps; pass the model's processor or "
+                            f"tokenizer, got {type(processor).__name__}")
+        return tokenizer
+
     def reject_unexpected(self, kwargs: dict) -> None:
         """TypeError naming `append_video`'s arguments this family does not take (encode_video's leftovers)."""
         if kwargs:

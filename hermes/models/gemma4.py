@@ -148,14 +148,6 @@ class Gemma4(ModelFamily):
 
     # ---- frames --------------------------------------------------------------------------------------------
     @staticmethod
-    def _tokenizer(processor):
-        tokenizer = getattr(processor, "tokenizer", processor)
-        if tokenizer is None or not callable(tokenizer):
-            raise TypeError("processor: Gemma 4 chunks carry text timestamps; pass the model's processor or "
-                            f"tokenizer, got {type(processor).__name__}")
-        return tokenizer
-
-    @staticmethod
     def _stamp_ids(tokenizer, seconds: float) -> list[int]:
         return list(tokenizer(frame_text(seconds), add_special_tokens=False)["input_ids"])
 
@@ -168,7 +160,8 @@ class Gemma4(ModelFamily):
                              "frame_size=(height, width) of the processed frames or chunk_tokens")
         vision = model.config.vision_config
         patches = (frame_size[0] // vision.patch_size) * (frame_size[1] // vision.patch_size)
-        return len(self._stamp_ids(self._tokenizer(tokenizer), 0.0)) + 2 + patches // vision.pooling_kernel_size ** 2
+        stamp = self._stamp_ids(self.timestamp_tokenizer(tokenizer), 0.0)
+        return len(stamp) + 2 + patches // vision.pooling_kernel_size ** 2
 
     def frame_size(self, model, inputs):
         """(height, width) of the processed frames: the first frame's patch grid (its largest column and row + 1)
@@ -215,7 +208,7 @@ class Gemma4(ModelFamily):
         them. Returns embeds [B, T, hidden] of the F runs (T = F · tokens_per_frame), with the vision block of each
         token and the per-layer inputs of the model's own forward (`extra`, when the model has PLE)."""
         self.reject_unexpected(kwargs)
-        tokenizer = self._tokenizer(processor)
+        tokenizer = self.timestamp_tokenizer(processor)
         if not isinstance(video, torch.Tensor) and hasattr(processor, "video_processor"):
             clips = [video] if isinstance(video, np.ndarray) and video.ndim == 4 else list(video)
             if len(clips) != batch_size:

@@ -133,14 +133,6 @@ class Qwen3_VL(Qwen2_5_VL):
         rotary = self.language_model(model).rotary_emb
         return rotary.inv_freq, RotaryLayout.interleaved(rotary.mrope_section)  # h, w, t cycling over pairs
 
-    @staticmethod
-    def _tokenizer(processor):
-        tokenizer = getattr(processor, "tokenizer", processor)
-        if tokenizer is None or not callable(tokenizer):
-            raise TypeError("processor: Qwen3-VL chunks carry text timestamps; pass the model's processor or "
-                            f"tokenizer, got {type(processor).__name__}")
-        return tokenizer
-
     def _timestamp_ids(self, tokenizer, seconds: float) -> list[int]:
         return list(tokenizer(timestamp_text(seconds), add_special_tokens=False)["input_ids"])
 
@@ -148,7 +140,7 @@ class Qwen3_VL(Qwen2_5_VL):
         """Tokens of one temporal step's run: its timestamp, <|vision_start|>, (height / (patch·merge)) x
         (width / (patch·merge)) visual tokens, <|vision_end|>."""
         visual = super().tokens_per_frame(model, frame_size)
-        return len(self._timestamp_ids(self._tokenizer(tokenizer), 0.0)) + 2 + visual
+        return len(self._timestamp_ids(self.timestamp_tokenizer(tokenizer), 0.0)) + 2 + visual
 
     def encode_video(self, model, processor, video, batch_size, grid_thw=None, timestamps=None,
                      **kwargs) -> VideoChunk:
@@ -158,7 +150,7 @@ class Qwen3_VL(Qwen2_5_VL):
         temporal steps (`step_times`), shared by the streams. `processor` (or a tokenizer) writes the timestamps.
         Returns embeds [B, T, hidden] of the t runs (docs/qwen3_vl.md), their offsets and DeepStack arguments."""
         self.reject_unexpected(kwargs)
-        tokenizer = self._tokenizer(processor)
+        tokenizer = self.timestamp_tokenizer(processor)
         if not isinstance(video, torch.Tensor) and hasattr(processor, "video_processor"):
             clips = [video] if isinstance(video, np.ndarray) and video.ndim == 4 else list(video)
             processed = self._process(processor.video_processor, clips)

@@ -22,6 +22,7 @@ from hermes.attention import attention_implementation
 from hermes.models import family_of
 from hermes.models.qwen2_5_vl import video_rel_positions
 from hermes.stream import HermesStream
+from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from tests.utils import poison_
 
 QUESTION = "what is the person holding ?"
@@ -255,6 +256,15 @@ def _gemma4_bad_chunks(batch, g):
 GEMMA4 = Case(name="gemma4", build=tiny_gemma4, frames=LLAVA_FRAMES, chunk=_gemma4_chunk, encode=None,
               stream_kwargs={"frame_size": (8, 8)}, bad_chunks=_gemma4_bad_chunks, mrope=False,
               tokenizer=lambda: tiny_tokenizer(digits=True, gemma=True), windows=True)
+
+
+def layer_parts(stream: HermesStream, layer: int) -> list[tuple]:
+    """(KV heads, contents name prefix) of what a stream's cache holds of cache layer `layer`: the whole layer for
+    HERMES ("layer {l}"), each class with heads there for H2SVC ("layer {l} {class}")."""
+    if stream.policy.name != "h2svc":
+        return [(slice(None), f"layer {layer}")]
+    return [(stream.cfg.heads_of(cls, layer), f"layer {layer} {name}")
+            for cls, name in zip((INSTANT, SHORT, EPISODIC), CLASS_NAMES) if stream.cfg.heads_of(cls, layer)]
 
 
 def make_stream(case: Case, model, **kwargs) -> HermesStream:

@@ -19,11 +19,11 @@ from hermes.attention import attention_implementation
 from hermes.commands import UsageError, check_checkpoint
 from hermes.models.gemma4 import Gemma4, chunk_layout, frame_text
 from hermes.stream import HermesStream
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
+from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
 from scaffolding.checkpoint import save_tiny_checkpoint
 from scaffolding.models import tiny_gemma4
 from scaffolding.tokenizer import tiny_tokenizer
-from tests.hermes.streams import GEMMA4, QUESTION
+from tests.hermes.streams import GEMMA4, QUESTION, layer_parts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -96,12 +96,7 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy, va
     held = stream.cache.contents()
     for layer, decoder in enumerate(FULL):
         ref = cache.layers[decoder]
-        if policy == "hermes":
-            parts = [(slice(None), f"layer {layer}")]
-        else:
-            parts = [(stream.cfg.heads_of(cls, layer), f"layer {layer} {name}")
-                     for cls, name in zip((INSTANT, SHORT, EPISODIC), CLASS_NAMES) if stream.cfg.heads_of(cls, layer)]
-        for heads, name in parts:
+        for heads, name in layer_parts(stream, layer):
             torch.testing.assert_close(held[f"{name} keys"], ref.keys[:, heads])
             torch.testing.assert_close(held[f"{name} values"], ref.values[:, heads])
             positions = held[f"{name} positions"]

@@ -25,7 +25,6 @@ from hermes.models.llava_ov1_5 import LlavaOneVision1_5
 from hermes.models.processing import Processor
 from hermes.stream import HermesStream
 from hermes_kernels import H2SVCConfig, HermesConfig
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from scaffolding.checkpoint import save_tiny_checkpoint
 from scaffolding.models import tiny_llava_ov1_5
 from scaffolding.pixels import qwen_pixels
@@ -35,7 +34,7 @@ from tests.hermes.models.qwen3_vl_reference import own_forward
 from tests.hermes.models.test_family_inputs import Recorder, frames_of, same_inputs
 from tests.hermes.models.test_qwen3_5_stream import error_bound
 from tests.hermes.policies.h2svc.checks import MIXED_MAP
-from tests.hermes.streams import QUESTION
+from tests.hermes.streams import QUESTION, layer_parts
 from tests.hermes.video_files import write_video
 from tests.utils import REPO
 
@@ -152,12 +151,7 @@ def test_a_budget_above_the_video_is_the_models_own_forward(policy):
     positions = torch.arange(length).expand(2, -1)
     for layer in range(stream.cfg.num_layers):
         own, ref = own_cache.layers[layer], exact_cache.layers[layer]
-        if policy == "hermes":
-            parts = [(slice(None), f"layer {layer}")]
-        else:
-            parts = [(stream.cfg.heads_of(cls, layer), f"layer {layer} {name}")
-                     for cls, name in zip((INSTANT, SHORT, EPISODIC), CLASS_NAMES) if stream.cfg.heads_of(cls, layer)]
-        for heads, name in parts:
+        for heads, name in layer_parts(stream, layer):
             for kind in ("keys", "values"):
                 error_bound(held[f"{name} {kind}"], getattr(own, kind)[:, heads, :length],
                             getattr(ref, kind)[:, heads, :length], f"{name} {kind}")

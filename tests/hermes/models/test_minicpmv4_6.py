@@ -18,7 +18,6 @@ from hermes.models import family_of
 from hermes.models.minicpmv4_6 import MiniCPMV4_6, MiniCPMV4_6PilVideoProcessor
 from hermes.models.processing import Processor
 from hermes.stream import HermesStream
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from hermes_kernels.rope import RotaryLayout
 from scaffolding.checkpoint import save_tiny_checkpoint
 from scaffolding.models import tiny_minicpmv4_6
@@ -27,7 +26,7 @@ from scaffolding.tokenizer import tiny_minicpm_tokenizer
 from tests.hermes.models.qwen3_vl_reference import own_forward
 from tests.hermes.models.test_qwen3_5_stream import error_bound
 from tests.hermes.policies.h2svc.checks import MIXED_MAP
-from tests.hermes.streams import MINICPM, MINICPM_FRAME, QUESTION
+from tests.hermes.streams import MINICPM, MINICPM_FRAME, QUESTION, layer_parts
 from tests.hermes.video_files import write_video
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -149,10 +148,7 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy, tr
     held = cache.contents()
     for layer, decoder in enumerate(FULL):
         own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
-        parts = [(slice(None), f"layer {layer}")] if policy == "hermes" else [
-            (stream.cfg.heads_of(cls, layer), f"layer {layer} {name}")
-            for cls, name in zip((INSTANT, SHORT, EPISODIC), CLASS_NAMES) if stream.cfg.heads_of(cls, layer)]
-        for heads, name in parts:
+        for heads, name in layer_parts(stream, layer):
             for kind in ("keys", "values"):
                 error_bound(held[f"{name} {kind}"], getattr(own, kind)[:, heads], getattr(ref, kind)[:, heads],
                             f"{name} {kind}")

@@ -14,7 +14,6 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from hermes.policies.hermes import policy as hermes_policy
 from hermes.stream import HermesStream
-from hermes_kernels.policies.h2svc.config import CLASS_NAMES, EPISODIC, INSTANT, SHORT
 from scaffolding.models import tiny_qwen3_5, tiny_qwen3_5_moe
 from scaffolding.tokenizer import tiny_tokenizer
 from tests.hermes.models.qwen3_vl_reference import (chunked_forward, full_inputs, own_forward, question_text,
@@ -22,7 +21,7 @@ from tests.hermes.models.qwen3_vl_reference import (chunked_forward, full_inputs
 from tests.hermes.models.test_qwen3_vl import chunks_at
 from tests.hermes.policies.h2svc.checks import MIXED_MAP
 from tests.hermes.stream.policies import POLICIES, assert_same_stream
-from tests.hermes.streams import QUESTION
+from tests.hermes.streams import QUESTION, layer_parts
 from tests.utils import TOL, assert_close_verbose, same_bytes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -105,12 +104,7 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
     held = cache.contents()
     for layer, decoder in enumerate(FULL):
         own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
-        if policy == "hermes":
-            parts = [(slice(None), f"layer {layer}")]
-        else:
-            parts = [(stream.cfg.heads_of(cls, layer), f"layer {layer} {name}")
-                     for cls, name in zip((INSTANT, SHORT, EPISODIC), CLASS_NAMES) if stream.cfg.heads_of(cls, layer)]
-        for heads, name in parts:
+        for heads, name in layer_parts(stream, layer):
             for kind in ("keys", "values"):
                 error_bound(held[f"{name} {kind}"], getattr(own, kind)[:, heads], getattr(ref, kind)[:, heads],
                             f"{name} {kind}")
