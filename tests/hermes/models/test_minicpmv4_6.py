@@ -24,9 +24,9 @@ from scaffolding.models import tiny_minicpmv4_6
 from scaffolding.processors import TINY_MINICPM_RESOLUTION, tiny_image_processor, tiny_video_processor_config
 from scaffolding.tokenizer import tiny_minicpm_tokenizer
 from tests.hermes.models.qwen3_vl_reference import own_forward
-from tests.hermes.models.test_qwen3_5_stream import error_bound
+from tests.hermes.models.test_qwen3_5_stream import assert_hybrid_cache, error_bound
 from tests.hermes.policies.h2svc.checks import MIXED_MAP
-from tests.hermes.streams import MINICPM, MINICPM_FRAME, QUESTION, layer_parts
+from tests.hermes.streams import MINICPM, MINICPM_FRAME, QUESTION
 from tests.hermes.video_files import write_video
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -35,8 +35,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # the processor replaces by <image_id>0</image_id> and every frame's <image> ... </image>)
 PREFIX = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
 TAIL = f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
-FULL = (1, 2, 4)    # decoder indices of the tiny model's full-attention layers (cache layers 0, 1, 2)
-LINEAR = (0, 3, 5)  # ... and of its linear-attention layers
 CHUNKS, FRAMES = 3, 2
 
 
@@ -145,23 +143,7 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy, tr
     positions = positions[0]
     cache = stream.cache
     assert cache.length == length and stream.stats()["reindexes"] == 0
-    held = cache.contents()
-    for layer, decoder in enumerate(FULL):
-        own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
-        for heads, name in layer_parts(stream, layer):
-            for kind in ("keys", "values"):
-                error_bound(held[f"{name} {kind}"], getattr(own, kind)[:, heads], getattr(ref, kind)[:, heads],
-                            f"{name} {kind}")
-            got = held[f"{name} positions"]
-            want = positions if policy == "hermes" else positions[:, None].expand(-1, len(heads), -1)
-            assert torch.equal(got, want), name  # [B, N] (H2SVC: [B, heads, N]): one axis
-    linear = cache.linear_contents()
-    assert len(linear) == 2 * len(LINEAR)
-    for decoder in LINEAR:
-        own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
-        for kind, index in (("conv", "conv_states"), ("recurrent", "recurrent_states")):
-            error_bound(linear[f"linear layer {decoder} {kind} state"], getattr(own, index)[0],
-                        getattr(ref, index)[0], f"{kind} state of layer {decoder}")
+    assert_hybrid_cache(stream, own_cache, exact_cache, positions)  # the decoder is tiny_qwen3_5's
     question = {"input_ids": tok([TAIL] * 2, add_special_tokens=False, return_tensors="pt")["input_ids"]}
     own_logits = own_forward(model, question, cache=own_cache, logits_to_keep=1).logits[:, -1]
     exact_logits = own_forward(exact, question, cache=exact_cache, logits_to_keep=1).logits[:, -1]

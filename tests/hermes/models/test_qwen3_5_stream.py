@@ -79,6 +79,31 @@ def error_bound(got: torch.Tensor, own: torch.Tensor, exact: torch.Tensor, name:
         f"{name}: off by {error:.3g}, the model's own fp32 forward by {own_error:.3g}"
 
 
+def assert_hybrid_cache(stream, own_cache, exact_cache, positions: torch.Tensor) -> None:
+    """The stream's cache against the model's own DynamicCaches (fp32 `own_cache`, float64 `exact_cache`) of the tiny
+    hybrid decoder (full layers FULL, linear LINEAR): every full layer's keys and values (each H2SVC class's KV heads)
+    within `error_bound`, its positions [B, N] or [B, 3, N] exactly; every linear layer's conv and recurrent state
+    within `error_bound`."""
+    held = stream.cache.contents()
+    for layer, decoder in enumerate(FULL):
+        own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
+        for heads, name in layer_parts(stream, layer):
+            for kind in ("keys", "values"):
+                error_bound(held[f"{name} {kind}"], getattr(own, kind)[:, heads], getattr(ref, kind)[:, heads],
+                            f"{name} {kind}")
+            got = held[f"{name} positions"]
+            expected = positions if isinstance(heads, slice) else positions[:, None].expand_as(got)
+            assert torch.equal(got, expected), name
+    linear = stream.cache.linear_contents()
+    assert len(linear) == 2 * len(LINEAR)
+    for decoder in LINEAR:
+        own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
+        error_bound(linear[f"linear layer {decoder} conv state"], own.conv_states[0], ref.conv_states[0],
+                    f"conv state of layer {decoder}")
+        error_bound(linear[f"linear layer {decoder} recurrent state"], own.recurrent_states[0],
+                    ref.recurrent_states[0], f"recurrent state of layer {decoder}")
+
+
 @pytest.mark.parametrize("policy", ["hermes", "h2svc"])
 def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
     """Two streams, three chunks at advancing timestamps, nothing evicted (HERMES: budget above the stream, H2SVC:
@@ -101,23 +126,7 @@ def test_a_budget_above_the_video_is_the_models_own_forward_and_cache(policy):
         stream.append_video(**chunk)
     cache = stream.cache
     assert cache.length == positions.shape[-1] and stream.stats()["reindexes"] == 0
-    held = cache.contents()
-    for layer, decoder in enumerate(FULL):
-        own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
-        for heads, name in layer_parts(stream, layer):
-            for kind in ("keys", "values"):
-                error_bound(held[f"{name} {kind}"], getattr(own, kind)[:, heads], getattr(ref, kind)[:, heads],
-                            f"{name} {kind}")
-            got = held[f"{name} positions"]
-            assert torch.equal(got, positions if policy == "hermes" else positions[:, None].expand_as(got)), name
-    linear = cache.linear_contents()
-    assert len(linear) == 2 * len(LINEAR)
-    for decoder in LINEAR:
-        own, ref = own_cache.layers[decoder], exact_cache.layers[decoder]
-        error_bound(linear[f"linear layer {decoder} conv state"], own.conv_states[0], ref.conv_states[0],
-                    f"conv state of layer {decoder}")
-        error_bound(linear[f"linear layer {decoder} recurrent state"], own.recurrent_states[0],
-                    ref.recurrent_states[0], f"recurrent state of layer {decoder}")
+    assert_hybrid_cache(stream, own_cache, exact_cache, positions)
     whole = full_inputs(model, tok, chunks, 2, question_text(QUESTION))
     question = {"input_ids": whole["input_ids"][:, cache.length:],
                 "position_ids": rope_index(model, whole)[:, :, cache.length:]}
