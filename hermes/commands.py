@@ -204,7 +204,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
     """Load a local checkpoint folder: its family from config.json's model_type (checked before any weights
     load), the model with `AutoModelForImageTextToText` (`weights_options`), the processor with `load_processor`
     (or the one given). `tp` N > 1 (under torchrun, N processes): `DistributedConfig(tp_size=N)` with the family's
-    `tp_plan` where it has one (Qwen3-VL), every rank holding its share of the heads on `tp_device`
+    `tp_plan` where it has one (Qwen3-VL, Gemma 4), every rank holding its share of the heads on `tp_device`
     (docs/multi-gpu.md#launch)."""
     from transformers import AutoModelForImageTextToText
 

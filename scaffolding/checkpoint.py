@@ -19,7 +19,11 @@ from scaffolding.tokenizer import tiny_minicpm_tokenizer, tiny_tokenizer
 
 BUILDERS = {"llava_onevision": tiny_llava_ov, "llava_onevision1_5": tiny_llava_ov1_5, "qwen2_5_vl": tiny_qwen2_5_vl,
             "qwen3_vl": tiny_qwen3_vl, "qwen3_5": tiny_qwen3_5, "qwen3_5_moe": tiny_qwen3_5_moe,
-            "minicpmv4_6": tiny_minicpmv4_6, "gemma4": tiny_gemma4}
+            "minicpmv4_6": tiny_minicpmv4_6, "gemma4": tiny_gemma4,
+            "gemma4_moe": lambda seed=0: tiny_gemma4(seed=seed, moe=True)}
+# checkpoints that are a variant of another model type (the same config class, tokenizer and processors): Gemma 4's
+# MoE decoder is `enable_moe_block` in a gemma4 config, not a model type of its own
+VARIANT_OF = {"gemma4_moe": "gemma4"}
 # model types whose tiny tokenizer splits digits: their chunks carry text timestamps
 DIGIT_TOKENIZERS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma4")
 
@@ -27,7 +31,8 @@ DIGIT_TOKENIZERS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma4")
 def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int = 0) -> str:
     """Save a tiny model with its tokenizer and processor configs into `folder`, loadable with from_pretrained
     (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, AutoImageProcessor, and AutoProcessor where
-    torchvision imports). Returns the folder.
+    torchvision imports). `model_type`: a key of BUILDERS (a transformers model type, or "gemma4_moe": a gemma4
+    checkpoint whose decoder has the MoE block). Returns the folder.
 
     Written: the model (config.json, weights), the tokenizer, preprocessor_config.json (image processor),
     video_preprocessor_config.json and processor_config.json. The last two are written as JSON because
@@ -37,6 +42,7 @@ def save_tiny_checkpoint(folder: str | os.PathLike, model_type: str, seed: int =
     if model_type not in BUILDERS:
         raise ValueError(f"model_type: expected one of {sorted(BUILDERS)}, got {model_type!r}")
     BUILDERS[model_type](seed=seed).save_pretrained(folder)
+    model_type = VARIANT_OF.get(model_type, model_type)
     tokenizer = tiny_minicpm_tokenizer() if model_type == "minicpmv4_6" else \
         tiny_tokenizer(digits=model_type in DIGIT_TOKENIZERS, gemma=model_type == "gemma4")
     tokenizer.save_pretrained(folder)

@@ -1,8 +1,8 @@
 """The commands under tensor parallelism (docs/multi-gpu.md#launch): `torchrun --nproc-per-node 2 -m hermes --tp 2`
-streams a video as one process does (LLaVA-OV; Qwen3-VL, loaded with its family's tp_plan), rank 0 printing the
-records and the one progress bar, rank 1 nothing; settings that cannot work (--tp without torchrun, a tp that does
-not divide the KV heads, processes without --tp, questions from standard input) are one line before any weights
-load; `hermes-profile` refuses --tp.
+streams a video as one process does (LLaVA-OV; Qwen3-VL and Gemma 4, loaded with their families' tp_plans), rank 0
+printing the records and the one progress bar, rank 1 nothing; settings that cannot work (--tp without torchrun, a tp
+that does not divide the KV heads, processes without --tp, questions from standard input) are one line before any
+weights load; `hermes-profile` refuses --tp.
 """
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def video(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folders(tiny_checkpoints, tmp_path_factory) -> dict:
-    """model_type -> tiny checkpoint folder: the shared ones and Qwen3-VL's."""
-    return {**tiny_checkpoints, "qwen3_vl": save_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_vl"), "qwen3_vl")}
+    """model_type -> tiny checkpoint folder: the shared ones, Qwen3-VL's and Gemma 4's."""
+    return {**tiny_checkpoints, **{model_type: save_tiny_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
+                                   for model_type in ("qwen3_vl", "gemma4")}}
 
 
 def _launched(monkeypatch, world: int | None, rank: int = 0) -> None:
@@ -92,11 +93,12 @@ def _without_timings(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMINGS + ("cache_bytes",)} for r in records]
 
 
-@pytest.mark.parametrize("model_type", ["llava_onevision", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["llava_onevision", "qwen3_vl", "gemma4"])
 def test_torchrun_streams_as_one_process(model_type, folders, video, capsys, monkeypatch):
     """torchrun --nproc-per-node 2 -m hermes --tp 2 --json: the records of one process (the cache's bytes are rank
     0's share), printed once; the progress bar drawn as often as one process draws it (rank 1 draws none); exit
-    0. Qwen3-VL: transformers' plan would leave its heads whole; the command loads it with the family's tp_plan."""
+    0. Qwen3-VL: transformers' plan would leave its heads whole; Gemma 4: transformers' plan splits the vocabulary,
+    which its forward from ids cannot take (docs/gemma4.md); the command loads each with its family's tp_plan."""
     _launched(monkeypatch, None)
     argv = ["--model", folders[model_type], "--video", video, "--question", QUESTION, *RUN,
             "--threads", "1", "--json"]

@@ -19,10 +19,12 @@ import hermes_kernels
 
 from hermes.live import Answer, ChunkDone, Ended, FramesDropped, LiveFrame, LiveSession, SourceEnded
 from hermes.live import session as session_module
+from hermes.models.gemma4 import Gemma4
 from hermes.models.processing import Processor
 from hermes.models.qwen3_vl import Qwen3_VL
 from hermes.stream import HermesStream
-from scaffolding.models import tiny_qwen3_vl
+from hermes_kernels.policies.h2svc.config import EPISODIC, INSTANT, SHORT
+from scaffolding.models import tiny_gemma4, tiny_qwen3_vl
 from scaffolding.processors import tiny_image_processor, tiny_video_processor_config
 from scaffolding.tokenizer import tiny_tokenizer
 
@@ -176,10 +178,10 @@ def kept_chunks(events, frames) -> list[list[LiveFrame]]:
     return chunks
 
 
-def replay(model, events, frames) -> HermesStream:
-    """A fresh stream fed the session's kept chunks directly (prepare_frames with their true times), asked each
-    answered question at the same point; its answers must be the session's."""
-    stream = make_stream(model)
+def replay(model, events, frames, make=make_stream) -> HermesStream:
+    """A fresh stream (`make(model)`) fed the session's kept chunks directly (prepare_frames with their true times),
+    asked each answered question at the same point; its answers must be the session's."""
+    stream = make(model)
     chunks = iter(kept_chunks(events, frames))
     for event in events:
         if isinstance(event, ChunkDone):
@@ -240,6 +242,46 @@ def test_a_slow_model_drops_whole_frames_oldest_first_and_lag_stays_bounded(mode
     full = [c for c in chunks if c.compressed]
     assert len(full) >= 3 and len({(c.cache_length, c.cache_bytes) for c in full}) == 1
     assert max(buffered) < CHUNK and isinstance(events[-1], Ended) and events[-1].reason == "end of stream"
+
+
+def gemma4_stream(model, policy: str = "hermes") -> HermesStream:
+    """A Gemma 4 stream of chunks of 4 frames of 8 x 8, sized as the command sizes a live stream (the processed
+    frames' size, read off the inputs of a blank chunk: 71 tokens a frame); HERMES over budget 200 compresses from the
+    second chunk on; H2SVC with every class in both full layers, windows of 1, 2 and 4 frames (episodic evicting)."""
+    family = Gemma4()
+    twin = family.pil_video_processor(tiny_image_processor("gemma4"), tiny_video_processor_config("gemma4"))
+    processor = Processor(tokenizer=tiny_tokenizer(digits=True, gemma=True), video_processor=twin)
+    size = family.frame_size(model, family.prepare_frames(processor, np.zeros((CHUNK, 8, 8, 3), np.uint8), FPS))
+    settings = dict(budget=200) if policy == "hermes" else \
+        dict(policy="h2svc", head_map=[[EPISODIC, INSTANT], [SHORT, EPISODIC]], instant_frames=1, short_frames=2,
+             episodic_frames=4)
+    return HermesStream(model, processor, chunk_frames=CHUNK, frame_size=size, room=400, **settings)
+
+
+@pytest.mark.parametrize("policy", ["hermes", "h2svc"])
+def test_gemma4_drops_frames_and_its_cache_is_the_kept_frames_fed_directly(policy, hooks):
+    """Gemma 4 (sliding windows at stream positions, vision blocks, KV-shared layers, " mm:ss " timestamps) slowed
+    to 10 s a chunk of a 1 fps camera: frames are dropped, so the kept frames' timestamps have gaps; the cache (full
+    layers, and the sliding layers' windows) and the answers equal a stream fed the kept frames directly; under H2SVC
+    the cache also equals one fed them without the question."""
+    model, clock = tiny_gemma4(), FakeClock()
+    hooks(model.model.vision_tower, lambda module, args: clock.advance(SLOW))
+    frames = live_frames(40)
+    make = lambda model: gemma4_stream(model, policy)  # noqa: E731
+    stream = make(model)
+    session = LiveSession(stream, ListSource(frames, clock), ask_at=[(20.0, QUESTION)], max_new_tokens=4, clock=clock)
+    events = list(session.run())
+    chunks = [e for e in events if isinstance(e, ChunkDone)]
+    assert sum(e.count for e in events if isinstance(e, FramesDropped)) > 10 and len(chunks) >= 3
+    assert [e.question for e in events if isinstance(e, Answer)] == [QUESTION]
+    assert any(name.startswith("sliding layer") for name in stream.cache.contents())
+    if policy == "hermes":
+        assert sum(c.compressed for c in chunks) >= 2
+    replayed = replay(model, events, frames, make=make)
+    assert same_contents(contents(replayed), contents(stream))
+    if policy == "h2svc":  # HERMES's later steps read the last question and answer as guidance; H2SVC's read nothing
+        unasked = replay(model, [e for e in events if not isinstance(e, Answer)], frames, make=make)
+        assert same_contents(contents(unasked), contents(stream))  # the question left windows and full layers as were
 
 
 def test_memory_of_the_session_stays_flat(model, hooks, monkeypatch):

@@ -1,4 +1,5 @@
-"""Gemma 4 through its saved tiny checkpoint: `python -m hermes --model DIR` under both policies, and `hermes-profile`
+"""Gemma 4 through its saved tiny checkpoint: `python -m hermes --model DIR` under both policies (dense and MoE),
+`hermes --live` on a loopback TCP stream with a question asked while it plays, and `hermes-profile`
 routing the full-attention layers that compute keys, its streamed TADs equal to the reference on transformers' own
 eager attention maps of the whole sequence (sliding windows, vision blocks and KV-shared layers as the model runs
 them; docs/gemma4.md)."""
@@ -20,6 +21,7 @@ from hermes.policies.h2svc.profile import profile_heads
 from hermes.window import cache_kv_heads, cache_layers
 from hermes_kernels.policies.h2svc.reference import tad_t2v, tad_v2v
 from scaffolding.checkpoint import save_tiny_checkpoint
+from tests.hermes.live.servers import TcpServer, ts_chunks
 from tests.hermes.streams import QUESTION
 from tests.hermes.video_files import write_video
 from tests.utils import REPO, assert_close_verbose
@@ -34,17 +36,24 @@ TAD_TOL = dict(atol=2e-6, rtol=2e-6)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """The tiny checkpoint, its positions raised to 16384: H2SVC's default episodic window (64 frames of 70 tokens)
-    needs more than the tiny model's 4096."""
-    folder = save_tiny_checkpoint(tmp_path_factory.mktemp("gemma4"), "gemma4")
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["text_config"]["max_position_embeddings"] = 16384
-    with open(path, "w") as f:
-        json.dump(config, f)
-    return folder
+def checkpoints(tmp_path_factory) -> dict:
+    """"gemma4" (dense) and "gemma4_moe" (the MoE block beside each MLP) -> tiny checkpoint folder, positions raised
+    to 16384: H2SVC's default episodic window (64 frames of 70 tokens) needs more than the tiny model's 4096."""
+    folders = {}
+    for variant in ("gemma4", "gemma4_moe"):
+        folder = folders[variant] = save_tiny_checkpoint(tmp_path_factory.mktemp(variant), variant)
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["text_config"]["max_position_embeddings"] = 16384
+        with open(path, "w") as f:
+            json.dump(config, f)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints):
+    return checkpoints["gemma4"]
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +61,13 @@ def video(tmp_path_factory):
     return write_video(tmp_path_factory.mktemp("videos") / "cfr.mp4", [i / 4 for i in range(24)])  # 6 s at 4 fps
 
 
-def test_the_command_streams_the_checkpoint(checkpoint, video):
-    """`python -m hermes` on the saved checkpoint: exit 0, three chunks of 2 frames, the later ones compressing,
-    and an answer; H2SVC in this process on the same checkpoint steps every chunk and answers."""
+@pytest.mark.parametrize("variant", ["gemma4", "gemma4_moe"])
+def test_the_command_streams_the_checkpoint(variant, checkpoints, video):
+    """`python -m hermes` on the saved checkpoint, dense and MoE: exit 0, three chunks of 2 frames, the later ones
+    compressing, and an answer; H2SVC in this process on the same checkpoint steps every chunk and answers."""
+    checkpoint = checkpoints[variant]
+    loaded = load_model(checkpoint, device="cpu")
+    assert loaded.model.config.text_config.enable_moe_block == (variant == "gemma4_moe")
     done = subprocess.run([sys.executable, "-m", "hermes", "--model", checkpoint, "--video", video, *RUN,
                            "--device", "cpu", "--threads", "1", "--json", "--quiet"], env=ENV, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -63,10 +76,35 @@ def test_the_command_streams_the_checkpoint(checkpoint, video):
     chunks = [r for r in records if r["type"] == "chunk"]
     assert [r["frames"] for r in chunks] == [2, 2, 2] and any(r["compressed"] for r in chunks)
     assert records[-1]["type"] == "answer"
-    loaded = load_model(checkpoint, device="cpu")
     with pytest.warns(UserWarning, match="not profiled"):
         h2svc = cli.run(loaded, video, questions=[QUESTION], fps=1, chunk_frames=2, policy="h2svc", max_new_tokens=2)
     assert [r["type"] for r in h2svc] == ["chunk"] * 3 + ["answer"]
+
+
+@pytest.mark.parametrize("policy", ["hermes", "h2svc"])
+def test_live_tcp_answers_while_it_plays(policy, checkpoint, capsys):
+    """`hermes --live tcp://127.0.0.1:PORT` on the checkpoint: 6 s of MPEG-TS at 4 fps sampled at 2, chunks of 4
+    samples, the first question asked at 1 s (answered after the first chunk, seen 1.5 s), the --question at the
+    end; nothing dropped (--max-lag 60: the server does not pace), the stream compressing past its budget."""
+    early = "where is the ball ?"
+    argv = ["--model", checkpoint, "--live", None, "--fps", "2", "--chunk-frames", "4", "--budget", "30",
+            "--max-new-tokens", "3", "--max-lag", "60", "--policy", policy, "--device", "cpu", "--threads", "1",
+            "--ask-at", f"1:{early}", "--question", QUESTION, "--json", "--quiet"]
+    with TcpServer([(ts_chunks(24, 4), "close")]) as server:
+        argv[3] = server.url
+        status = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert ("head_map: not profiled" in err) == (policy == "h2svc")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["type"], r.get("question")) for r in records] == [
+        ("chunk", None), ("answer", early), ("chunk", None), ("chunk", None), ("answer", QUESTION), ("ended", None),
+        ("summary", None)]
+    chunks = [r for r in records if r["type"] == "chunk"]
+    assert [(r["start"], r["end"], r["frames"], r["dropped"]) for r in chunks] == [
+        (0.0, 1.5, 4, 0), (2.0, 3.5, 4, 0), (4.0, 5.5, 4, 0)]
+    assert [r["seen"] for r in records if r["type"] == "answer"] == [1.5, 5.5]
+    assert chunks[-1]["compressed"] and records[-1]["dropped"] == 0 and records[-2]["reason"] == "end of stream"
 
 
 def reference_tads(model, processor, clip: np.ndarray, chunk_frames: int):
