@@ -151,3 +151,50 @@ def test_h2svc_evicting_keeps_the_sliding_layers_at_stream_positions():
         torch.testing.assert_close(ours["sliding layer 0 keys"], keys, atol=bound, rtol=0)
         assert torch.equal(ours["sliding layer 0 values"], theirs["sliding layer 0 values"])
     assert evicting.cache.length < whole.cache.length  # evicted: the turn was not 0
+
+
+def test_h2svc_evicting_holds_what_a_naive_frame_memory_holds():
+    """A Gemma 4 whose first layer is full-attention (full, sliding, full, sliding, and a last full layer reading
+    the second one's keys), H2SVC with windows of 1, 2 and 3 frames over five chunks of 2 frames, compared after
+    every chunk with a naive frame memory written from the contract (docs/h2svc.md §3): each class of each full
+    layer holds the prefix and the tokens of its frames (in slot order) at their stream positions; instant and
+    short the last 1 and 2 frames; episodic 3 distinct frames seen so far, the newest among them. The first layer's
+    input is the embeddings, which no eviction changes, so its classes hold the keys and values of a stream that
+    never evicts at those positions: values bit for bit, keys within the float32 angle rounding of turning them to
+    their positions (2^-24 of each angle, at most the last position times the largest frequency, three angles)."""
+    g = torch.Generator().manual_seed(6)
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    model = tiny_gemma4(dtype=torch.float64, layer_types=types, num_kv_shared_layers=1)
+    tok = tiny_tokenizer(digits=True, gemma=True)
+    evicting = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, policy="h2svc",
+                            head_map=[[EPISODIC, INSTANT], [SHORT, EPISODIC]], instant_frames=1, short_frames=2,
+                            episodic_frames=3)
+    whole = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, budget=1000)
+    inv_freq = model.model.language_model.rotary_emb.full_attention_inv_freq
+    prefix, per_frame = evicting.cfg.prefix_len, evicting.cfg.tokens_per_frame
+    for index in range(5):
+        chunk = dict(GEMMA4.chunk(1, g), timestamps=[2.0 * index, 2.0 * index + 1.0])
+        chunk["video"] = chunk["video"].double()
+        evicting.append_video(**chunk)
+        whole.append_video(**chunk)
+        ours, theirs = evicting.cache.contents(), whole.cache.contents()
+        seen = 2 * (index + 1)
+        assert whole.cache.length == prefix + seen * per_frame
+        for layer in range(2):
+            for heads, name in layer_parts(evicting, layer):
+                frames = [f for f in ours[f"{name} slot_frames"][0, 0].tolist() if f >= 0]  # -1: an empty slot
+                if name.endswith("episodic"):
+                    assert len(set(frames)) == len(frames) == min(3, seen) and seen - 1 in frames
+                    assert all(0 <= f < seen for f in frames)
+                else:
+                    held = 1 if name.endswith("instant") else 2
+                    assert sorted(frames) == list(range(max(0, seen - held), seen)), name
+                positions = list(range(prefix)) + [prefix + f * per_frame + t for f in frames for t in range(per_frame)]
+                assert ours[f"{name} positions"][0, 0].tolist() == positions, name
+                if layer == 0:
+                    keys = theirs["layer 0 keys"][:, heads][..., positions, :]
+                    angle = whole.cache.length * float(inv_freq.max())  # the largest angle of the three
+                    bound = 3 * 2 ** -24 * angle * float(keys.abs().max()) * 2 ** 0.5
+                    torch.testing.assert_close(ours[f"{name} keys"], keys, atol=bound, rtol=0)
+                    assert torch.equal(ours[f"{name} values"], theirs["layer 0 values"][:, heads][..., positions, :])
+    assert evicting.cache.length < whole.cache.length
