@@ -124,24 +124,32 @@ def test_a_layer_kind_the_family_does_not_know_is_refused_from_the_config(tmp_pa
         check_checkpoint(bare)
 
 
+def evicting_beside_whole(model, seed: int, chunks: int = 5):
+    """Yield (index, evicting, whole) after each of `chunks` chunks of 2 frames fed to two streams of the float64
+    `model`: H2SVC with both full layers' heads split over the classes and windows of 1, 2 and 3 frames (evicting
+    from the second chunk on), and HERMES with a budget above the video (nothing evicted)."""
+    g, tok = torch.Generator().manual_seed(seed), tiny_tokenizer(digits=True, gemma=True)
+    evicting = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, policy="h2svc",
+                            head_map=[[EPISODIC, INSTANT], [SHORT, EPISODIC]], instant_frames=1, short_frames=2,
+                            episodic_frames=3)
+    whole = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, budget=1000)
+    for index in range(chunks):
+        chunk = dict(GEMMA4.chunk(1, g), timestamps=[2.0 * index, 2.0 * index + 1.0])
+        chunk["video"] = chunk["video"].double()
+        evicting.append_video(**chunk)
+        whole.append_video(**chunk)
+        yield index, evicting, whole
+
+
 def test_h2svc_evicting_keeps_the_sliding_layers_at_stream_positions():
     """H2SVC with windows of 1, 2 and 3 frames evicts from the second chunk on, so its length falls behind the
     stream's; the sliding layers still hold the last W - 1 tokens at stream positions, and the first one (whose input
     no eviction changes) the keys and values of a stream that never evicts: keys within the float32 angle rounding of
     turning them twice (2^-24 of each angle, at most the last position times the largest frequency, three angles),
     values bit for bit."""
-    g = torch.Generator().manual_seed(5)
-    model, tok = tiny_gemma4(dtype=torch.float64), tiny_tokenizer(digits=True, gemma=True)
-    evicting = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, policy="h2svc",
-                            head_map=[[EPISODIC, INSTANT], [SHORT, EPISODIC]], instant_frames=1, short_frames=2,
-                            episodic_frames=3)
-    whole = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, budget=1000)
+    model = tiny_gemma4(dtype=torch.float64)
     inv_freq = model.model.language_model.rotary_emb.sliding_attention_inv_freq
-    for index in range(5):
-        chunk = dict(GEMMA4.chunk(1, g), timestamps=[2.0 * index, 2.0 * index + 1.0])
-        chunk["video"] = chunk["video"].double()
-        evicting.append_video(**chunk)
-        whole.append_video(**chunk)
+    for index, evicting, whole in evicting_beside_whole(model, seed=5):
         ours, theirs = evicting.cache.contents(), whole.cache.contents()
         seen = whole.cache.length
         for decoder in SLIDING:
@@ -162,22 +170,12 @@ def test_h2svc_evicting_holds_what_a_naive_frame_memory_holds():
     input is the embeddings, which no eviction changes, so its classes hold the keys and values of a stream that
     never evicts at those positions: values bit for bit, keys within the float32 angle rounding of turning them to
     their positions (2^-24 of each angle, at most the last position times the largest frequency, three angles)."""
-    g = torch.Generator().manual_seed(6)
     types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     model = tiny_gemma4(dtype=torch.float64, layer_types=types, num_kv_shared_layers=1)
-    tok = tiny_tokenizer(digits=True, gemma=True)
-    evicting = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, policy="h2svc",
-                            head_map=[[EPISODIC, INSTANT], [SHORT, EPISODIC]], instant_frames=1, short_frames=2,
-                            episodic_frames=3)
-    whole = HermesStream(model, tok, chunk_frames=2, frame_size=(8, 8), room=64, budget=1000)
     inv_freq = model.model.language_model.rotary_emb.full_attention_inv_freq
-    prefix, per_frame = evicting.cfg.prefix_len, evicting.cfg.tokens_per_frame
-    for index in range(5):
-        chunk = dict(GEMMA4.chunk(1, g), timestamps=[2.0 * index, 2.0 * index + 1.0])
-        chunk["video"] = chunk["video"].double()
-        evicting.append_video(**chunk)
-        whole.append_video(**chunk)
+    for index, evicting, whole in evicting_beside_whole(model, seed=6):
         ours, theirs = evicting.cache.contents(), whole.cache.contents()
+        prefix, per_frame = evicting.cfg.prefix_len, evicting.cfg.tokens_per_frame
         seen = 2 * (index + 1)
         assert whole.cache.length == prefix + seen * per_frame
         for layer in range(2):
