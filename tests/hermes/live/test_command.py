@@ -19,6 +19,7 @@ import pytest
 from hermes import cli
 from hermes.live.command import LivePrinter, progress_line, run_live
 from hermes.stream import HermesStream
+from tests.hermes.live.records import live_main, of_type, records_of
 from tests.hermes.live.servers import TcpServer, free_port, ts_chunks
 from tests.hermes.video_files import write_video
 from tests.utils import REPO, error_line
@@ -79,21 +80,6 @@ def lines_of(stream) -> "queue.Queue[str]":
 
     threading.Thread(target=read, daemon=True).start()
     return lines
-
-
-def records_of(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines()]
-
-
-def live_main(capsys, argv: list[str]) -> tuple[int, list[dict], list[str]]:
-    """`hermes ARGV --json --quiet` in this process: exit status, the JSON records on stdout, the stderr lines."""
-    status = cli.main([*argv, "--json", "--quiet"])
-    out, err = capsys.readouterr()
-    return status, records_of(out), err.splitlines()
-
-
-def of_type(records: list[dict], kind: str) -> list[dict]:
-    return [r for r in records if r["type"] == kind]
 
 
 # ---- sources streamed to the end ------------------------------------------------------------------------------------

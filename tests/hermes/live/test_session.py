@@ -18,7 +18,9 @@ import torch
 import hermes_kernels
 
 from hermes.live import Answer, ChunkDone, Ended, FramesDropped, LiveFrame, LiveSession, SourceEnded
+from hermes.commands import LoadedModel
 from hermes.live import session as session_module
+from hermes.live.command import processed_size
 from hermes.models.gemma4 import Gemma4
 from hermes.models.processing import Processor
 from hermes.models.qwen3_vl import Qwen3_VL
@@ -251,7 +253,8 @@ def gemma4_stream(model, policy: str = "hermes") -> HermesStream:
     family = Gemma4()
     twin = family.pil_video_processor(tiny_image_processor("gemma4"), tiny_video_processor_config("gemma4"))
     processor = Processor(tokenizer=tiny_tokenizer(digits=True, gemma=True), video_processor=twin)
-    size = family.frame_size(model, family.prepare_frames(processor, np.zeros((CHUNK, 8, 8, 3), np.uint8), FPS))
+    size = processed_size(LoadedModel(model, processor, family, path="", device=torch.device("cpu")), (8, 8), CHUNK,
+                          FPS)
     settings = dict(budget=200) if policy == "hermes" else \
         dict(policy="h2svc", head_map=[[EPISODIC, INSTANT], [SHORT, EPISODIC]], instant_frames=1, short_frames=2,
              episodic_frames=4)

@@ -21,6 +21,7 @@ from hermes.policies.h2svc.profile import profile_heads
 from hermes.window import cache_kv_heads, cache_layers
 from hermes_kernels.policies.h2svc.reference import tad_t2v, tad_v2v
 from scaffolding.checkpoint import save_tiny_checkpoint
+from tests.hermes.live.records import live_main, of_type
 from tests.hermes.live.servers import TcpServer, ts_chunks
 from tests.hermes.streams import QUESTION
 from tests.hermes.video_files import write_video
@@ -87,23 +88,20 @@ def test_live_tcp_answers_while_it_plays(policy, checkpoint, capsys):
     samples, the first question asked at 1 s (answered after the first chunk, seen 1.5 s), the --question at the
     end; nothing dropped (--max-lag 60: the server does not pace), the stream compressing past its budget."""
     early = "where is the ball ?"
-    argv = ["--model", checkpoint, "--live", None, "--fps", "2", "--chunk-frames", "4", "--budget", "30",
-            "--max-new-tokens", "3", "--max-lag", "60", "--policy", policy, "--device", "cpu", "--threads", "1",
-            "--ask-at", f"1:{early}", "--question", QUESTION, "--json", "--quiet"]
     with TcpServer([(ts_chunks(24, 4), "close")]) as server:
-        argv[3] = server.url
-        status = cli.main(argv)
-    out, err = capsys.readouterr()
+        status, records, err = live_main(capsys, [
+            "--model", checkpoint, "--live", server.url, "--fps", "2", "--chunk-frames", "4", "--budget", "30",
+            "--max-new-tokens", "3", "--max-lag", "60", "--policy", policy, "--device", "cpu", "--threads", "1",
+            "--ask-at", f"1:{early}", "--question", QUESTION])
     assert status == 0, err
-    assert ("head_map: not profiled" in err) == (policy == "h2svc")
-    records = [json.loads(line) for line in out.splitlines()]
+    assert any("head_map: not profiled" in line for line in err) == (policy == "h2svc")
     assert [(r["type"], r.get("question")) for r in records] == [
         ("chunk", None), ("answer", early), ("chunk", None), ("chunk", None), ("answer", QUESTION), ("ended", None),
         ("summary", None)]
-    chunks = [r for r in records if r["type"] == "chunk"]
+    chunks = of_type(records, "chunk")
     assert [(r["start"], r["end"], r["frames"], r["dropped"]) for r in chunks] == [
         (0.0, 1.5, 4, 0), (2.0, 3.5, 4, 0), (4.0, 5.5, 4, 0)]
-    assert [r["seen"] for r in records if r["type"] == "answer"] == [1.5, 5.5]
+    assert [r["seen"] for r in of_type(records, "answer")] == [1.5, 5.5]
     assert chunks[-1]["compressed"] and records[-1]["dropped"] == 0 and records[-2]["reason"] == "end of stream"
 
 
